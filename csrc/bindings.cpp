@@ -1,0 +1,44 @@
+// Op schemas of the `attnres` namespace and the Python module stub.
+//
+// The schemas live here, the kernels in csrc/cpu (and later csrc/cuda) register
+// implementations with TORCH_LIBRARY_IMPL. Fake (meta) kernels and autograd are
+// registered from Python (attnres_kernels/ops/_native.py).
+#include <Python.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "depth_attention.h"
+
+extern "C" {
+// `import attnres_kernels._C` loads this shared library, which runs the
+// TORCH_LIBRARY static initializers below; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace attnres {
+
+std::string build_info() {
+  return std::string("attnres_kernels C++ ops; CPU vector ISA: ") + cpu_vector_isa();
+}
+
+TORCH_LIBRARY(attnres, m) {
+  m.def("build_info() -> str", &build_info);
+  // One depth read of Q sites over N sources, optionally merged into a prefix
+  // read (h_a, lse_a) and followed by a fused output RMSNorm.
+  // Returns (out [Q, ..., D], lse [Q, ...], logits [Q, N, ...], rinv [N, ...]).
+  m.def(
+      "depth_attn_fwd(Tensor[] sources, Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, "
+      "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns (grad_sources, grad_query_key, grad_prefix_out, grad_prefix_lse,
+  // grad_out_norm_weight); absent optional inputs get empty gradients.
+  m.def(
+      "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, "
+      "Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
+      "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor)");
+}
+
+}  // namespace attnres

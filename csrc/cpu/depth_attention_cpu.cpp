@@ -1,0 +1,515 @@
+// CPU kernels of the depth read (DESIGN.md §2.1): forward and backward of Q
+// sites over N sources, optional prefix merge and fused output RMSNorm.
+//
+// Work is split over rows (the flattened leading dims) with at::parallel_for;
+// all arithmetic on a row is vectorized over D with at::vec in the
+// accumulation type (float, or double for double inputs). Half/bfloat16 rows
+// are converted to float in a per-thread buffer once per read.
+//
+// Determinism: every per-row result depends only on that row. The reductions
+// over rows (grad of query_key and of the out-norm weight) write one double
+// partial per fixed chunk of rows (the chunking depends on M only, not on the
+// thread count) and the partials are summed in chunk order.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "../depth_attention.h"
+
+namespace attnres {
+
+const char* cpu_vector_isa() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
+#elif defined(__aarch64__)
+  return "neon";
+#else
+  return "default";
+#endif
+}
+
+namespace {
+
+using at::vec::Vectorized;
+
+// ---------------------------------------------------------------- row helpers
+
+// Returns the row as acc_t: the row itself when scalar_t == acc_t, otherwise
+// converted into `buf`.
+template <typename scalar_t, typename acc_t>
+inline const acc_t* row_as_acc(const scalar_t* row, acc_t* buf, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return row;
+  } else {
+    using bVec = Vectorized<scalar_t>;
+    using fVec = Vectorized<float>;
+    int64_t d = 0;
+    for (; d + bVec::size() <= n; d += bVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + d));
+      lo.store(buf + d);
+      hi.store(buf + d + fVec::size());
+    }
+    for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
+    return buf;
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// <a, b> with two vector accumulators (halves the FMA dependency chain).
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  Vec acc0(T(0)), acc1(T(0));
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
+  }
+  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// y = y * a + b * x
+template <typename T>
+inline void scale_add(T* y, T a, T b, const T* x, int64_t n) {
+  using Vec = Vectorized<T>;
+  const Vec va(a), vb(b);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    at::vec::fmadd(vb, Vec::loadu(x + d), Vec::loadu(y + d) * va).store(y + d);
+  }
+  for (; d < n; ++d) y[d] = y[d] * a + b * x[d];
+}
+
+// y += b * x
+template <typename T>
+inline void axpy(T* y, T b, const T* x, int64_t n) {
+  using Vec = Vectorized<T>;
+  const Vec vb(b);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) {
+    at::vec::fmadd(vb, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  }
+  for (; d < n; ++d) y[d] += b * x[d];
+}
+
+// sum(x^2) and <u_q, x> for q < Q in one sweep over x.
+template <typename T>
+inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  if (q_count == 1) {
+    Vec ss0(T(0)), ss1(T(0)), dt0(T(0)), dt1(T(0));
+    int64_t d = 0;
+    for (; d + 2 * W <= n; d += 2 * W) {
+      const Vec x0 = Vec::loadu(x + d), x1 = Vec::loadu(x + d + W);
+      ss0 = at::vec::fmadd(x0, x0, ss0);
+      ss1 = at::vec::fmadd(x1, x1, ss1);
+      dt0 = at::vec::fmadd(x0, Vec::loadu(u + d), dt0);
+      dt1 = at::vec::fmadd(x1, Vec::loadu(u + d + W), dt1);
+    }
+    auto add = [](Vec& a, Vec& b) { return a + b; };
+    T ss = at::vec::vec_reduce_all<T>(add, ss0 + ss1);
+    T dt = at::vec::vec_reduce_all<T>(add, dt0 + dt1);
+    for (; d < n; ++d) {
+      ss += x[d] * x[d];
+      dt += x[d] * u[d];
+    }
+    dots[0] = dt;
+    return ss;
+  }
+  for (int64_t q = 0; q < q_count; ++q) dots[q] = dot(x, u + q * n, n);
+  return dot(x, x, n);
+}
+
+// Asks for a row that will be read soon. Each source row is its own stream
+// (for D = 1024 fp32 exactly one 4 KiB page), and hardware prefetchers stop at
+// page boundaries, so the forward requests the next row of every source
+// explicitly. (In the backward, measured, it evicted the rows pass 2 re-reads.)
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// dst += a * x * y, accumulated in double (the row reductions sum thousands of
+// terms; double keeps their rounding far below that of a single fp32 row).
+template <typename T>
+inline void accumulate_product(double* dst, T a, const T* x, const T* y, int64_t n) {
+  const double ad = static_cast<double>(a);
+  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]) * static_cast<double>(y[d]);
+}
+
+template <typename T>
+inline void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
+  const double ad = static_cast<double>(a);
+  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]);
+}
+
+// α_i = softmax(logits)_i for one row (logits i at s[i * stride]), the prefix
+// logit lse_a included when given (its weight goes to *alpha_a). Recomputed
+// from the saved logits as exp(s - max) / Σ rather than exp(s - lse): the
+// rounding of lse to the accumulation type would cost |lse| ulps in every α.
+template <typename T>
+inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, T* alpha, T* alpha_a) {
+  T top = lse_a != nullptr ? *lse_a : -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < n; ++i) {
+    const T x = s[i * stride];
+    if (x > top || std::isnan(x)) top = x;
+  }
+  T sum = lse_a != nullptr ? std::exp(*lse_a - top) : T(0);
+  for (int64_t i = 0; i < n; ++i) sum += (alpha[i] = std::exp(s[i * stride] - top));
+  const T inv = T(1) / sum;
+  for (int64_t i = 0; i < n; ++i) alpha[i] *= inv;
+  *alpha_a = lse_a != nullptr ? std::exp(*lse_a - top) * inv : T(0);
+}
+
+// Fixed partition of M rows for the row reductions: depends on M only.
+inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
+
+// ---------------------------------------------------------------- forward
+
+struct FwdPointers {
+  std::vector<const void*> src;  // row 0 of each source
+  std::vector<int64_t> src_stride;
+};
+
+template <typename scalar_t>
+void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
+                         const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
+                         at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
+  const acc_t eps = static_cast<acc_t>(eps_d);
+  std::vector<const scalar_t*> src(N);
+  std::vector<int64_t> stride(N);
+  for (int64_t i = 0; i < N; ++i) {
+    src[i] = in.rows[i].const_data_ptr<scalar_t>();
+    stride[i] = in.rows[i].stride(0);
+  }
+  const acc_t* u = u_t.const_data_ptr<acc_t>();
+  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
+  const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
+  scalar_t* out = out_t.mutable_data_ptr<scalar_t>();
+  acc_t* lse = lse_t.mutable_data_ptr<acc_t>();
+  acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
+  acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
+
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N * D));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(Q * D), vbuf(D), dots(Q), mx(Q), denom(Q);
+    for (int64_t p = begin; p < end; ++p) {
+      // Online softmax state per site: running max `mx`, sum `denom`, and
+      // `acc` = Σ e^{s - mx} v. A prefix read enters as one source whose
+      // logit is lse_a and whose value is h_a (its weights already sum to 1).
+      for (int64_t q = 0; q < Q; ++q) {
+        acc_t* aq = acc.data() + q * D;
+        if (h_a != nullptr) {
+          const acc_t* row = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
+          std::copy(row, row + D, aq);
+          mx[q] = lse_a[q * M + p];
+          denom[q] = acc_t(1);
+        } else {
+          std::fill(aq, aq + D, acc_t(0));
+          mx[q] = -std::numeric_limits<acc_t>::infinity();
+          denom[q] = acc_t(0);
+        }
+      }
+      for (int64_t i = 0; i < N; ++i) {
+        if (p + 1 < end) prefetch_row(src[i] + (p + 1) * stride[i], D);
+        const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+        const acc_t ss = sumsq_and_dots(v, u, Q, D, dots.data());
+        const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
+        rinv[i * M + p] = r;
+        for (int64_t q = 0; q < Q; ++q) {
+          const acc_t s = r * dots[q];
+          logits[(q * N + i) * M + p] = s;
+          acc_t* aq = acc.data() + q * D;
+          if (s > mx[q] || std::isnan(s)) {  // new max (NaN propagates like the reference softmax)
+            const acc_t rescale = std::exp(mx[q] - s);
+            mx[q] = s;
+            denom[q] = denom[q] * rescale + acc_t(1);
+            scale_add(aq, rescale, acc_t(1), v, D);
+          } else {
+            const acc_t w = std::exp(s - mx[q]);
+            denom[q] += w;
+            axpy(aq, w, v, D);
+          }
+        }
+      }
+      for (int64_t q = 0; q < Q; ++q) {
+        acc_t* aq = acc.data() + q * D;
+        lse[q * M + p] = mx[q] + std::log(denom[q]);
+        acc_t scale = acc_t(1) / denom[q];
+        if (g != nullptr) {
+          const acc_t mean_sq = dot(aq, aq, D) * scale * scale / static_cast<acc_t>(D);
+          scale *= acc_t(1) / std::sqrt(mean_sq + eps);
+          at::vec::map2<acc_t>([scale](auto a, auto w) { return a * w * decltype(a)(scale); }, aq, aq,
+                               g + q * D, D);
+        } else {
+          at::vec::map<acc_t>([scale](auto a) { return a * decltype(a)(scale); }, aq, aq, D);
+        }
+        store_row<scalar_t, acc_t>(aq, out + (q * M + p) * D, D);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- backward
+
+template <typename scalar_t>
+void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
+                         const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
+                         const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t, const at::Tensor& rinv_t, double eps_d,
+                         std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t, at::Tensor& dh_a_t,
+                         at::Tensor& dlse_a_t, at::Tensor& dg_t) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Vec = Vectorized<acc_t>;
+  const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
+  const acc_t eps = static_cast<acc_t>(eps_d);
+  const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
+  std::vector<const scalar_t*> src(N);
+  std::vector<int64_t> stride(N);
+  std::vector<scalar_t*> dsrc(N);
+  for (int64_t i = 0; i < N; ++i) {
+    src[i] = in.rows[i].const_data_ptr<scalar_t>();
+    stride[i] = in.rows[i].stride(0);
+    dsrc[i] = dsrc_t[i].mutable_data_ptr<scalar_t>();
+  }
+  const scalar_t* dy = dy_t.const_data_ptr<scalar_t>();
+  const acc_t* dlse = dlse_t.defined() ? dlse_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* dlogits = dlogits_t.defined() ? dlogits_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* u = u_t.const_data_ptr<acc_t>();
+  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
+  const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* logits = logits_t.const_data_ptr<acc_t>();
+  const acc_t* rinv = rinv_t.const_data_ptr<acc_t>();
+  scalar_t* dh_a = h_a != nullptr ? dh_a_t.mutable_data_ptr<scalar_t>() : nullptr;
+  acc_t* dlse_a = h_a != nullptr ? dlse_a_t.mutable_data_ptr<acc_t>() : nullptr;
+
+  // Stage 1 writes one [Q, D] double partial of du (and of dg) per chunk of rows.
+  const int64_t chunk = rows_per_chunk(M);
+  const int64_t num_chunks = (M + chunk - 1) / chunk;
+  const auto part_opts = u_t.options().dtype(at::kDouble);
+  at::Tensor du_part = at::zeros({num_chunks, Q, D}, part_opts);
+  at::Tensor dg_part = g != nullptr ? at::zeros({num_chunks, Q, D}, part_opts) : at::Tensor();
+  double* du_parts = du_part.mutable_data_ptr<double>();
+  double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
+
+  at::parallel_for(0, num_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    // do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf: recomputed h_q
+    // (out-norm only); alpha/dp: softmax weights and <do_q, v_i> of the row.
+    std::vector<acc_t> do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D);
+    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q);
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      double* du_c = du_parts + c * Q * D;
+      double* dg_c = g != nullptr ? dg_parts + c * Q * D : nullptr;
+      for (int64_t p = c * chunk; p < std::min(M, (c + 1) * chunk); ++p) {
+        for (int64_t q = 0; q < Q; ++q) {
+          softmax_weights(logits + q * N * M + p, M, N, h_a != nullptr ? lse_a + q * M + p : nullptr,
+                          alpha.data() + q * N, alpha_a.data() + q);
+          const acc_t* dyq = row_as_acc<scalar_t, acc_t>(dy + (q * M + p) * D, vbuf.data(), D);
+          std::copy(dyq, dyq + D, do_.data() + q * D);
+        }
+        if (g != nullptr) {
+          // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
+          std::fill(hbuf.begin(), hbuf.end(), acc_t(0));
+          for (int64_t i = 0; i < N; ++i) {
+            const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+            for (int64_t q = 0; q < Q; ++q) axpy(hbuf.data() + q * D, alpha[q * N + i], v, D);
+          }
+          for (int64_t q = 0; q < Q; ++q) {
+            acc_t* hq = hbuf.data() + q * D;
+            if (h_a != nullptr) {
+              axpy(hq, alpha_a[q], row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D), D);
+            }
+            const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + eps);
+            acc_t* dq = do_.data() + q * D;  // holds dy_q on entry
+            accumulate_product(dg_c + q * D, rstd, dq, hq, D);
+            at::vec::map2<acc_t>([](auto dyv, auto gv) { return dyv * gv; }, dq, dq, g + q * D, D);
+            const acc_t gy_h = dot(dq, hq, D);  // <g ⊙ dy, h>
+            const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
+            at::vec::map2<acc_t>(
+                [rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); }, dq, dq,
+                hq, D);
+          }
+        }
+        // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
+        std::fill(delta.begin(), delta.end(), acc_t(0));
+        for (int64_t i = 0; i < N; ++i) {
+          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+          for (int64_t q = 0; q < Q; ++q) {
+            dp[q * N + i] = dot(do_.data() + q * D, v, D);
+            delta[q] += alpha[q * N + i] * dp[q * N + i];
+          }
+        }
+        if (h_a != nullptr) {
+          for (int64_t q = 0; q < Q; ++q) {
+            const acc_t* ha = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
+            dp_a[q] = dot(do_.data() + q * D, ha, D);
+            delta[q] += alpha_a[q] * dp_a[q];
+          }
+        }
+        // Pass 2: ds = α (dp - delta + dlse) + dlogits;
+        // dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i^2 v_i / D;  du_q += ds_qi r_i v_i.
+        for (int64_t i = 0; i < N; ++i) {
+          const acc_t r = rinv[i * M + p];
+          acc_t c2 = 0;
+          for (int64_t q = 0; q < Q; ++q) {
+            const int64_t qi = q * N + i;
+            acc_t ds = alpha[qi] * (dp[qi] - delta[q] + (dlse != nullptr ? dlse[q * M + p] : acc_t(0)));
+            if (dlogits != nullptr) ds += dlogits[qi * M + p];
+            c1[q] = ds * r;
+            c2 += ds * logits[qi * M + p];
+          }
+          c2 *= r * r * inv_d;
+          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+          // dv is written straight into the gradient when no conversion is needed.
+          acc_t* dv_row = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(dsrc[i] + p * D) : dvbuf.data();
+          int64_t d = 0;
+          for (; d + Vec::size() <= D; d += Vec::size()) {
+            const Vec vv = Vec::loadu(v + d);
+            Vec dv = vv * Vec(-c2);
+            for (int64_t q = 0; q < Q; ++q) {
+              dv = at::vec::fmadd(Vec(alpha[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
+              dv = at::vec::fmadd(Vec(c1[q]), Vec::loadu(u + q * D + d), dv);
+            }
+            dv.store(dv_row + d);
+          }
+          for (; d < D; ++d) {
+            acc_t dv = -c2 * v[d];
+            for (int64_t q = 0; q < Q; ++q) dv += alpha[q * N + i] * do_[q * D + d] + c1[q] * u[q * D + d];
+            dv_row[d] = dv;
+          }
+          for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], v, D);
+          if constexpr (!std::is_same_v<scalar_t, acc_t>) store_row<scalar_t, acc_t>(dvbuf.data(), dsrc[i] + p * D, D);
+        }
+        if (h_a != nullptr) {
+          for (int64_t q = 0; q < Q; ++q) {
+            const acc_t dl = dlse != nullptr ? dlse[q * M + p] : acc_t(0);
+            dlse_a[q * M + p] = alpha_a[q] * (dp_a[q] - delta[q] + dl);
+            at::vec::map<acc_t>([a = alpha_a[q]](auto x) { return x * decltype(x)(a); }, dvbuf.data(),
+                                do_.data() + q * D, D);
+            store_row<scalar_t, acc_t>(dvbuf.data(), dh_a + (q * M + p) * D, D);
+          }
+        }
+      }
+    }
+  });
+
+  // Stage 2: sum the chunk partials column by column in chunk order.
+  auto reduce_chunks = [&](const double* parts, acc_t* dst) {
+    at::parallel_for(0, Q * D, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j) {
+        double s = 0;
+        for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * Q * D + j];
+        dst[j] = static_cast<acc_t>(s);
+      }
+    });
+  };
+  reduce_chunks(du_parts, du_t.mutable_data_ptr<acc_t>());
+  if (g != nullptr) reduce_chunks(dg_parts, dg_t.mutable_data_ptr<acc_t>());
+}
+
+// ---------------------------------------------------------------- op entry points
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
+    at::TensorList sources, const at::Tensor& query_key, const c10::optional<at::Tensor>& prefix_out,
+    const c10::optional<at::Tensor>& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  const SourceRows in = check_sources(sources);
+  const auto dtype = in.rows[0].scalar_type();
+  const auto acc = accumulation_type(dtype);
+  const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
+  const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
+  at::Tensor g = out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc)
+                                             : at::Tensor();
+  at::Tensor h_a, lse_a;
+  check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
+  const int64_t n = static_cast<int64_t>(in.rows.size());
+  const auto opts = in.rows[0].options();
+  at::Tensor out = empty_output(shape_with({q}, in.lead_shape, {in.dim}), opts);
+  at::Tensor lse = at::empty(shape_with({q}, in.lead_shape), opts.dtype(acc));
+  at::Tensor logits = at::empty(shape_with({q, n}, in.lead_shape), opts.dtype(acc));
+  at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_fwd_cpu", [&] {
+    depth_attn_fwd_impl<scalar_t>(in, u, h_a, lse_a, g, eps, out, lse, logits, rinv);
+  });
+  return {out, lse, logits, rinv};
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cpu(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse,
+    const c10::optional<at::Tensor>& grad_logits, at::TensorList sources, const at::Tensor& query_key,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits,
+    const at::Tensor& rinv, double eps) {
+  const SourceRows in = check_sources(sources);
+  const auto dtype = in.rows[0].scalar_type();
+  const auto acc = accumulation_type(dtype);
+  const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
+  const int64_t n = static_cast<int64_t>(in.rows.size());
+  const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
+  at::Tensor g = out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc)
+                                             : at::Tensor();
+  at::Tensor h_a, lse_a;
+  check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
+  auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name,
+                "` must be ", at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
+    return t.contiguous();
+  };
+  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with({q}, in.lead_shape, {in.dim}), dtype);
+  const at::Tensor logits_c = check_saved(logits, "logits", shape_with({q, n}, in.lead_shape), acc);
+  const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
+  const at::Tensor dlse = grad_lse.has_value()
+                              ? check_saved(*grad_lse, "grad_lse", shape_with({q}, in.lead_shape), acc)
+                              : at::Tensor();
+  const at::Tensor dlogits =
+      grad_logits.has_value() ? check_saved(*grad_logits, "grad_logits", shape_with({q, n}, in.lead_shape), acc)
+                              : at::Tensor();
+
+  std::vector<at::Tensor> dsrc;
+  dsrc.reserve(n);
+  for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), in.rows[0].options()));
+  at::Tensor du = at::empty_like(u);
+  at::Tensor dh_a = h_a.defined() ? empty_output(h_a.sizes(), h_a.options()) : at::empty({0}, in.rows[0].options());
+  at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, u.options());
+  at::Tensor dg = g.defined() ? at::empty_like(g) : at::empty({0}, u.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_bwd_cpu", [&] {
+    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, u, h_a, lse_a, g, logits_c, rinv_c, eps, dsrc, du,
+                                  dh_a, dlse_a, dg);
+  });
+  return {dsrc, du, dh_a, dlse_a, dg};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  m.impl("depth_attn_fwd", &depth_attn_fwd_cpu);
+  m.impl("depth_attn_bwd", &depth_attn_bwd_cpu);
+}
+
+}  // namespace attnres
