@@ -1,0 +1,29 @@
+"""Triton backend of the depth read (the GPU path; runs on CPU under TRITON_INTERPRET=1).
+
+Importing this package never fails: when Triton is missing, ``IMPORT_ERROR``
+holds the reason and the dispatcher reports it if the backend is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+
+    IMPORT_ERROR = None
+except ImportError as exc:
+    IMPORT_ERROR = exc
+
+# Kernels are decorated at import time; the interpreter must be chosen before that.
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Widest row the kernels keep in registers (one program holds a whole row);
+# fp64 rows take two registers per element, so half as wide.
+MAX_DIM = 8192
+
+
+def max_dim(dtype: torch.dtype) -> int:
+    return MAX_DIM // 2 if dtype == torch.float64 else MAX_DIM

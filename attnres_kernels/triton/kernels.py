@@ -1,0 +1,226 @@
+"""Triton kernels of the depth read (DESIGN.md §2.1).
+
+Layout shared by all kernels:
+
+- **Sources without a stacking copy.** The N sources are separate ``[M, D]``
+  row-major tensors. A kernel receives the first one as ``src_ptr`` plus two
+  small int64 tables: ``src_offsets[i]``, the element offset of source i from
+  ``src_ptr`` (``(data_ptr_i - data_ptr_0) / itemsize``, exact because every
+  tensor is aligned to its item size), and ``src_strides[i]``, its row
+  stride. Sources are then visited by a runtime loop, so one compiled kernel
+  serves any N and the loop body is not unrolled (few registers). The source
+  gradients are written the same way through ``dsrc_ptr``/``dsrc_offsets``.
+  ``ALIGN`` > 1 tells the compiler every row start is a multiple of ``ALIGN``
+  elements (the launcher checks 16-byte alignment), so loads stay vectorized.
+- One program holds a ``[BLOCK_Q, BLOCK_D]`` tile: every site of the group
+  times a whole row (``BLOCK_D = next_pow2(D)``, masked), so each source row
+  is loaded once for all sites.
+- Per-site tensors are ``[Q, M, D]`` / ``[Q, M]``; ``logits`` is ``[Q, N, M]``
+  (site stride ``stride_logits_q``, source stride M); ``rinv`` is ``[N, M]``.
+- ``ACC`` is the accumulation dtype (fp32, or fp64 for fp64 inputs) so that
+  fp64 gradcheck runs through this code; bf16/fp16 are cast to ``ACC`` on load.
+- The backward is deterministic: no atomics. Each program sums its own rows
+  into a private partial (``du_part[pid]``, ``dg_part[pid]``), and
+  :func:`column_sum_kernel` adds the partials in program order.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _source_row(base_ptr, offsets_ptr, strides_ptr, i, row, ALIGN: tl.constexpr):
+    """Pointer to row ``row`` of source ``i``."""
+    start = tl.load(offsets_ptr + i) + row * tl.load(strides_ptr + i)
+    if ALIGN > 1:
+        start = tl.multiple_of(start, ALIGN)
+    return base_ptr + start
+
+
+@triton.jit
+def depth_attn_fwd_kernel(
+    src_ptr, src_offsets_ptr, src_strides_ptr, n_src,
+    u_ptr, prefix_h_ptr, prefix_lse_ptr, g_ptr,
+    out_ptr, lse_ptr, logits_ptr, rinv_ptr,
+    M, D, n_q, stride_logits_q,
+    EPS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_OUT_NORM: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid ``(M,)``: one row per program; online softmax over the sources.
+
+    ``u`` = query ⊙ key-norm weight ``[Q, D]``. With ``HAS_PREFIX`` the read
+    continues from ``(h_a, lse_a)`` (a merge). Writes ``out`` (``h``, or
+    ``rmsnorm(h) * g``), ``lse``, the logits and the key-norm scales ``rinv``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_q = offs_q < n_q
+    mask_d = offs_d < D
+    mask_qd = mask_q[:, None] & mask_d[None, :]
+    site_d = offs_q[:, None] * D + offs_d[None, :]
+    row_qd = (offs_q[:, None] * M + row) * D + offs_d[None, :]
+    u = tl.load(u_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
+    if HAS_PREFIX:
+        acc = tl.load(prefix_h_ptr + row_qd, mask=mask_qd, other=0.0).to(ACC)
+        run_max = tl.load(prefix_lse_ptr + offs_q * M + row, mask=mask_q, other=0.0).to(ACC)
+        denom = tl.full([BLOCK_Q], 1.0, ACC)
+    else:
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], ACC)
+        run_max = tl.full([BLOCK_Q], float("-inf"), ACC)
+        denom = tl.zeros([BLOCK_Q], ACC)
+    for i in range(n_src):
+        v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
+        v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + EPS)
+        s = r * tl.sum(u * v[None, :], axis=1)
+        tl.store(logits_ptr + offs_q * stride_logits_q + i * M + row, s, mask=mask_q)
+        tl.store(rinv_ptr + i * M + row, r)
+        new_max = tl.maximum(run_max, s, propagate_nan=tl.PropagateNan.ALL)
+        rescale = tl.exp(run_max - new_max)
+        p = tl.exp(s - new_max)
+        denom = denom * rescale + p
+        acc = acc * rescale[:, None] + p[:, None] * v[None, :]
+        run_max = new_max
+    tl.store(lse_ptr + offs_q * M + row, run_max + tl.log(denom), mask=mask_q)
+    h = acc / denom[:, None]
+    if HAS_OUT_NORM:
+        g = tl.load(g_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
+        h = h * rstd[:, None] * g
+    tl.store(out_ptr + row_qd, h.to(out_ptr.dtype.element_ty), mask=mask_qd)
+
+
+@triton.jit
+def depth_attn_bwd_kernel(
+    src_ptr, src_offsets_ptr, src_strides_ptr, dsrc_ptr, dsrc_offsets_ptr, n_src,
+    dy_ptr, u_ptr, g_ptr, dlse_ptr, logits_ptr, dlogits_ptr, rinv_ptr,
+    prefix_h_ptr, prefix_lse_ptr, dprefix_h_ptr, dprefix_lse_ptr, du_part_ptr, dg_part_ptr,
+    M, D, n_q, stride_logits_q,
+    EPS: tl.constexpr, HAS_OUT_NORM: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DLSE: tl.constexpr,
+    HAS_DLOGITS: tl.constexpr, ACCUMULATE_DV: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr,
+):
+    """Grid ``(cdiv(M, ROWS),)``: all gradients of the read for ``ROWS`` rows.
+
+    Per row, with ``α = softmax(logits)`` (recomputed as ``exp(s - max) / Σ``,
+    more accurate than ``exp(s - lse)`` with a rounded lse) and ``do = ∂L/∂h``:
+
+    0. with ``HAS_OUT_NORM``: recompute ``h = Σ α_i v_i (+ α_a h_a)``, then
+       ``do`` from ``dy`` through ``y = h * rstd(h) * g`` (``dg`` partial);
+       otherwise ``do = dy``;
+    1. ``delta_q = <do_q, h_q>`` (``Σ_i α_qi <do_q, v_i>`` without the norm);
+    2. ``ds_qi = α_qi (<do_q, v_i> - delta_q + dlse_q) (+ dlogits_qi)``,
+       ``dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² v_i / D``
+       (added to the stored gradient with ``ACCUMULATE_DV``, for later site
+       groups), ``du_q += ds_qi r_i v_i``;
+    3. with ``HAS_PREFIX``: ``∂h_a = α_a do``, ``∂lse_a = α_a (<do, h_a> - delta + dlse)``.
+
+    ``du``/``dg`` are summed over the program's rows in its private partial
+    (read-modify-write in memory rather than registers: only ``do`` and one
+    source row stay live)."""
+    pid = tl.program_id(0)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_q = offs_q < n_q
+    mask_d = offs_d < D
+    mask_qd = mask_q[:, None] & mask_d[None, :]
+    site_d = offs_q[:, None] * D + offs_d[None, :]
+    du_ptrs = du_part_ptr + pid.to(tl.int64) * n_q * D + site_d
+    tl.store(du_ptrs, tl.zeros([BLOCK_Q, BLOCK_D], ACC), mask=mask_qd)
+    if HAS_OUT_NORM:
+        dg_ptrs = dg_part_ptr + pid.to(tl.int64) * n_q * D + site_d
+        tl.store(dg_ptrs, tl.zeros([BLOCK_Q, BLOCK_D], ACC), mask=mask_qd)
+    for r in range(ROWS):
+        row = pid.to(tl.int64) * ROWS + r
+        if row < M:
+            row_q = offs_q * M + row
+            row_qd = row_q[:, None] * D + offs_d[None, :]
+            # Softmax normalizer of the row: α_i = exp(s_i - top) * inv_z.
+            if HAS_PREFIX:
+                lse_a = tl.load(prefix_lse_ptr + row_q, mask=mask_q, other=0.0)
+                top = lse_a
+            else:
+                top = tl.full([BLOCK_Q], float("-inf"), ACC)
+            for i in range(n_src):
+                s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
+                top = tl.maximum(top, s, propagate_nan=tl.PropagateNan.ALL)
+            if HAS_PREFIX:
+                z = tl.exp(lse_a - top)
+            else:
+                z = tl.zeros([BLOCK_Q], ACC)
+            for i in range(n_src):
+                z += tl.exp(tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0) - top)
+            inv_z = 1.0 / z
+            if HAS_DLSE:
+                dlse = tl.load(dlse_ptr + row_q, mask=mask_q, other=0.0)
+            else:
+                dlse = tl.zeros([BLOCK_Q], ACC)
+            if HAS_PREFIX:
+                alpha_a = tl.exp(lse_a - top) * inv_z
+            do = tl.load(dy_ptr + row_qd, mask=mask_qd, other=0.0).to(ACC)
+            if HAS_OUT_NORM:
+                if HAS_PREFIX:
+                    h = alpha_a[:, None] * tl.load(prefix_h_ptr + row_qd, mask=mask_qd, other=0.0).to(ACC)
+                else:
+                    h = tl.zeros([BLOCK_Q, BLOCK_D], ACC)
+                for i in range(n_src):
+                    v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
+                    v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                    s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
+                    h += (tl.exp(s - top) * inv_z)[:, None] * v[None, :]
+                rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
+                tl.store(dg_ptrs, tl.load(dg_ptrs, mask=mask_qd, other=0.0) + do * h * rstd[:, None], mask=mask_qd)
+                gy = tl.load(g_ptr + site_d, mask=mask_qd, other=0.0).to(ACC) * do
+                do = rstd[:, None] * gy - h * (rstd * rstd * rstd * tl.sum(gy * h, axis=1) / D)[:, None]
+                delta = tl.sum(do * h, axis=1)
+            if HAS_PREFIX:
+                dp_a = tl.sum(do * tl.load(prefix_h_ptr + row_qd, mask=mask_qd, other=0.0).to(ACC), axis=1)
+            if not HAS_OUT_NORM:
+                if HAS_PREFIX:
+                    delta = alpha_a * dp_a
+                else:
+                    delta = tl.zeros([BLOCK_Q], ACC)
+                for i in range(n_src):
+                    v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
+                    v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                    s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
+                    delta += tl.exp(s - top) * inv_z * tl.sum(do * v[None, :], axis=1)
+            for i in range(n_src):
+                v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
+                v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
+                r_i = tl.load(rinv_ptr + i * M + row)
+                alpha = tl.exp(s - top) * inv_z
+                ds = alpha * (tl.sum(do * v[None, :], axis=1) - delta + dlse)
+                if HAS_DLOGITS:
+                    ds += tl.load(dlogits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
+                c1 = ds * r_i
+                c2 = tl.sum(ds * s, axis=0) * r_i * r_i / D
+                u = tl.load(u_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
+                dv = tl.sum(alpha[:, None] * do + c1[:, None] * u, axis=0) - c2 * v
+                start = tl.load(dsrc_offsets_ptr + i) + row * D
+                if ALIGN > 1:
+                    start = tl.multiple_of(start, ALIGN)
+                dv_ptrs = dsrc_ptr + start + offs_d
+                if ACCUMULATE_DV:
+                    dv += tl.load(dv_ptrs, mask=mask_d, other=0.0).to(ACC)
+                tl.store(dv_ptrs, dv.to(dsrc_ptr.dtype.element_ty), mask=mask_d)
+                tl.store(du_ptrs, tl.load(du_ptrs, mask=mask_qd, other=0.0) + c1[:, None] * v[None, :], mask=mask_qd)
+            if HAS_PREFIX:
+                tl.store(dprefix_h_ptr + row_qd, (alpha_a[:, None] * do).to(dprefix_h_ptr.dtype.element_ty),
+                         mask=mask_qd)
+                tl.store(dprefix_lse_ptr + row_q, alpha_a * (dp_a - delta + dlse), mask=mask_q)
+
+
+@triton.jit
+def column_sum_kernel(part_ptr, out_ptr, n_parts, n_cols, BLOCK: tl.constexpr):
+    """Grid ``(cdiv(n_cols, BLOCK),)``: ``out[c] = Σ_p part[p, c]`` in order p = 0, 1, …,
+    accumulated in fp64 (one partial per 16 rows: M / 16 terms per column)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    acc = tl.zeros([BLOCK], tl.float64)
+    ptrs = part_ptr + offs
+    for _ in range(n_parts):
+        acc += tl.load(ptrs, mask=mask, other=0.0).to(tl.float64)
+        ptrs += n_cols
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

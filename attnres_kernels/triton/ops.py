@@ -1,0 +1,39 @@
+"""The Triton depth read as torch.library custom ops ``attnres_triton::depth_attn_{fwd,bwd}``.
+
+They take the same schema as the C++ ops (see
+:mod:`attnres_kernels.ops._registration`, which also supplies their fake
+kernels and autograd) and run on whatever device the Triton launch targets:
+CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops._registration import register_depth_attn_ops
+from . import launch
+
+FWD_SCHEMA = (
+    "(Tensor[] sources, Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, "
+    "float eps) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+BWD_SCHEMA = (
+    "(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query_key, "
+    "Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, Tensor rinv, float eps) "
+    "-> (Tensor[], Tensor, Tensor, Tensor, Tensor)"
+)
+
+_lib = torch.library.Library("attnres_triton", "DEF")
+_lib.define("depth_attn_fwd" + FWD_SCHEMA)
+_lib.define("depth_attn_bwd" + BWD_SCHEMA)
+for _device in ("CPU", "CUDA"):
+    _lib.impl("depth_attn_fwd", launch.depth_attn_fwd, _device)
+    _lib.impl("depth_attn_bwd", launch.depth_attn_bwd, _device)
+
+register_depth_attn_ops(
+    "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", torch.ops.attnres_triton.depth_attn_bwd.default
+)
+
+
+def fwd_op():
+    return torch.ops.attnres_triton.depth_attn_fwd.default
