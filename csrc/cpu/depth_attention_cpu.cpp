@@ -17,6 +17,10 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -64,9 +68,44 @@ inline const acc_t* row_as_acc(const scalar_t* row, acc_t* buf, int64_t n) {
   }
 }
 
+// Copies floats with non-temporal stores where the vector ISA has them: the
+// outputs are written once and not read back soon, and streaming them skips
+// the read-for-ownership of every destination line (for the backward, whose
+// N source gradients are most of its traffic, that is a third fewer bytes).
+inline void stream_floats(const float* src, float* dst, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int64_t W = 16;
+#else
+  constexpr int64_t W = 8;
+#endif
+  int64_t d = 0;
+  for (; d < n && reinterpret_cast<uintptr_t>(dst + d) % (W * sizeof(float)) != 0; ++d) dst[d] = src[d];
+  for (; d + W <= n; d += W) {
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+#else
+    _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+#endif
+  }
+  for (; d < n; ++d) dst[d] = src[d];
+#else
+  std::copy(src, src + n, dst);
+#endif
+}
+
+// Makes this thread's non-temporal stores visible before the parallel region ends.
+inline void fence_streaming_stores() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
 template <typename scalar_t, typename acc_t>
 inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    stream_floats(src, dst, n);
+  } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
     std::copy(src, src + n, dst);
   } else {
     at::vec::convert(src, dst, n);
@@ -274,6 +313,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
         store_row<scalar_t, acc_t>(aq, out + (q * M + p) * D, D);
       }
     }
+    fence_streaming_stores();
   });
 }
 
@@ -387,8 +427,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           }
           c2 *= r * r * inv_d;
           const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
-          // dv is written straight into the gradient when no conversion is needed.
-          acc_t* dv_row = std::is_same_v<scalar_t, acc_t> ? reinterpret_cast<acc_t*>(dsrc[i] + p * D) : dvbuf.data();
+          acc_t* dv_row = dvbuf.data();
           int64_t d = 0;
           for (; d + Vec::size() <= D; d += Vec::size()) {
             const Vec vv = Vec::loadu(v + d);
@@ -405,7 +444,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             dv_row[d] = dv;
           }
           for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], v, D);
-          if constexpr (!std::is_same_v<scalar_t, acc_t>) store_row<scalar_t, acc_t>(dvbuf.data(), dsrc[i] + p * D, D);
+          store_row<scalar_t, acc_t>(dvbuf.data(), dsrc[i] + p * D, D);
         }
         if (h_a != nullptr) {
           for (int64_t q = 0; q < Q; ++q) {
@@ -418,6 +457,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
       }
     }
+    fence_streaming_stores();
   });
 
   // Stage 2: sum the chunk partials column by column in chunk order.

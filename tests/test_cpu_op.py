@@ -1,0 +1,85 @@
+"""Properties specific to the C++ CPU op: determinism, torch.compile, build info."""
+
+import pytest
+import torch
+from support import make_sources, site_params
+
+import attnres_kernels as ak
+from attnres_kernels import reference
+
+pytestmark = pytest.mark.skipif("cpu" not in ak.available_backends("cpu"), reason=ak.build_info())
+
+
+def forward_backward(sources, w, g, g_out, h_a=None, lse_a=None):
+    srcs = [s.clone().requires_grad_() for s in sources]
+    params = [p.clone().requires_grad_() for p in (w, g, g_out)]
+    if h_a is None:
+        out, lse = ak.depth_attention(params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True,
+                                      backend="cpu")
+        extra = []
+    else:
+        extra = [h_a.clone().requires_grad_(), lse_a.clone().requires_grad_()]
+        out, lse = ak.depth_attention_merge(params[0], extra[0], extra[1], srcs, params[1],
+                                            out_norm_weight=params[2], return_lse=True, backend="cpu")
+    torch.manual_seed(0)
+    loss = (out * torch.randn_like(out)).sum() + (lse * torch.randn_like(lse)).sum()
+    grads = torch.autograd.grad(loss, srcs + params + extra)
+    return [out, lse, *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("merge", [False, True])
+def test_bitwise_deterministic_across_runs_and_thread_counts(dtype, merge):
+    # 1000 rows: many row chunks in the du reduction, uneven across 2 threads.
+    sources = make_sources(5, (10, 100), 96, dtype)
+    w, g, g_out = site_params(3, 96)
+    prefix = ()
+    if merge:
+        h_a, lse_a = reference.depth_attention(w, make_sources(2, (10, 100), 96, dtype), g, return_lse=True)
+        prefix = (h_a, lse_a)  # h_a is not contiguous: exercises the copy-when-needed path
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = forward_backward(sources, w, g, g_out, *prefix)
+        second = forward_backward(sources, w, g, g_out, *prefix)
+        torch.set_num_threads(1)
+        single = forward_backward(sources, w, g, g_out, *prefix)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, c in zip(first, second, single):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_compile_fullgraph_matches_eager():
+    sources = make_sources(4, (3, 5), 24)
+    w, g, g_out = site_params(None, 24)
+
+    def fn(w, g, g_out, *srcs):
+        h, lse, weights = ak.depth_attention(w, list(srcs), g, out_norm_weight=g_out, return_lse=True,
+                                             return_weights=True, backend="cpu")
+        h_a, lse_a = ak.depth_attention(w, list(srcs[:2]), g, return_lse=True, backend="cpu")
+        merged = ak.depth_attention_merge(w, h_a, lse_a, list(srcs[2:]), g, backend="cpu")
+        return (h * 1.5).sum() + lse.sum() + (weights ** 2).sum() + merged.square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    inputs = [t.clone().requires_grad_() for t in (w, g, g_out, *sources)]
+    eager_loss = fn(*inputs)
+    eager_grads = torch.autograd.grad(eager_loss, inputs)
+    compiled_loss = compiled(*inputs)
+    compiled_grads = torch.autograd.grad(compiled_loss, inputs)
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for a, b in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_nn_model():
+    model = ak.nn.BlockAttnResTransformer(31, 16, 2, 2, layers_per_block=1, backend="cpu")
+    idx = torch.randint(0, 31, (2, 5))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(idx), model(idx))
+
+
+def test_build_info_names_the_vector_isa():
+    info = ak.build_info()
+    assert "CPU vector ISA" in info
+    assert torch.ops.attnres.build_info() == info

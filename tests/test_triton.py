@@ -1,0 +1,134 @@
+"""Properties specific to the Triton backend (interpreter on CPU; real GPU where marked ``cuda``)."""
+
+import pytest
+import torch
+from support import assert_close_to_oracle, make_sources, site_params
+
+import attnres_kernels as ak
+import attnres_kernels.triton as triton_backend
+from attnres_kernels import reference
+
+pytestmark = pytest.mark.skipif(triton_backend.IMPORT_ERROR is not None, reason="triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def poisoned_allocations(monkeypatch):
+    """Fresh tensors from ``Tensor.new_empty`` (what the launchers allocate
+    outputs, gradients and partials with) start as NaN: any element a kernel
+    fails to write shows up in the comparison."""
+    original = torch.Tensor.new_empty
+
+    def new_empty_nan(self, *args, **kwargs):
+        t = original(self, *args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", new_empty_nan)
+
+
+def _run(backend, sources, w, g, g_out, h_a=None, lse_a=None):
+    srcs = [s.clone().requires_grad_() for s in sources]
+    params = [p.clone().requires_grad_() for p in (w, g, g_out)]
+    extra = [] if h_a is None else [h_a.clone().requires_grad_(), lse_a.clone().requires_grad_()]
+    if extra:
+        out, lse = ak.depth_attention_merge(params[0], *extra, srcs, params[1], out_norm_weight=params[2],
+                                            return_lse=True, backend=backend)
+    else:
+        out, lse = ak.depth_attention(params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True,
+                                      backend=backend)
+    gen = torch.Generator(device=out.device).manual_seed(1)
+    rand = lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)  # noqa: E731
+    loss = (out * rand(out)).sum() + (lse * rand(lse)).sum()
+    return [out, lse, *torch.autograd.grad(loss, srcs + params + extra)]
+
+
+@pytest.mark.usefixtures("poisoned_allocations")
+@pytest.mark.parametrize("merge", [False, True])
+def test_site_groups_and_poisoned_buffers(monkeypatch, merge):
+    """Q = 3 sites split into 3 launches (the tile limit shrunk to one site) must
+    equal the C++ op, with every output element written."""
+    from attnres_kernels.triton import launch
+
+    monkeypatch.setattr(launch, "MULTI_SITE_TILE", launch.MIN_BLOCK_D)
+    assert launch.kernel_config(100, 3, torch.float64).block_q == 1
+    sources = make_sources(3, (2, 3), 100, torch.float64, "strided")
+    w, g, g_out = site_params(3, 100, torch.float64)
+    prefix = ()
+    if merge:
+        prefix = reference.depth_attention(w, make_sources(2, (2, 3), 100, torch.float64), g, return_lse=True)
+    got = _run("triton", sources, w, g, g_out, *prefix)
+    want = _run("cpu", sources, w, g, g_out, *prefix)
+    for a, b in zip(got, want):
+        assert not a.isnan().any()
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_every_dispatcher_config_respects_the_register_budget():
+    from attnres_kernels.triton import launch
+
+    for dtype, words in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float64, 2)):
+        configs = launch.all_kernel_configs(dtype)
+        assert configs, dtype
+        for cfg in configs:
+            tile_words = cfg.block_q * cfg.block_d * words
+            assert tile_words <= launch.MULTI_SITE_TILE or cfg.block_q == 1
+            assert tile_words // (32 * cfg.num_warps) <= 16 and cfg.num_warps <= 16
+            assert cfg.max_registers * 32 * cfg.num_warps <= 65536
+        for d in (1, 7, 100, 1000, 4096):
+            for q in (1, 2, 3, 8, 13):
+                assert launch.kernel_config(d, q, dtype) in configs
+
+
+def test_too_wide_rows_are_refused_clearly():
+    d = triton_backend.max_dim(torch.float32) + 1
+    with pytest.raises(ak.BackendUnavailableError, match="D <="):
+        ak.depth_attention(torch.zeros(d), [torch.randn(2, d)], backend="triton")
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    if DEVICE == "cuda":
+        pytest.skip("on a GPU machine the tests run Triton for real")
+    monkeypatch.setattr(triton_backend, "INTERPRETING", False)
+    with pytest.raises(ak.BackendUnavailableError, match="TRITON_INTERPRET"):
+        ak.depth_attention(torch.zeros(4), [torch.randn(2, 4)], backend="triton")
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("q,out_norm", [(None, False), (4, True)])
+def test_gpu_end_to_end_matches_reference(dtype, q, out_norm):
+    sources = [s.cuda() for s in make_sources(9, (4, 512), 1024, dtype)]
+    w, g, g_out = (p.cuda() for p in site_params(q, 1024))
+    g_out = g_out if out_norm else None
+    got = ak.depth_attention(w, sources, g, out_norm_weight=g_out, backend="auto")
+    assert ak.ops.resolve_backend("auto", sources[0].device, 1024, dtype) == "triton"
+    same = reference.depth_attention(w, sources, g, out_norm_weight=g_out)
+    oracle = reference.depth_attention(w.double(), [s.double() for s in sources], g.double(),
+                                       out_norm_weight=g_out.double() if out_norm else None)
+    assert_close_to_oracle("out", got, same, oracle)
+
+
+@pytest.mark.cuda
+def test_gpu_compile_fullgraph():
+    sources = [s.cuda().requires_grad_() for s in make_sources(5, (2, 64), 256, torch.bfloat16)]
+    w, g, _ = (p.cuda().requires_grad_() for p in site_params(None, 256))
+
+    def fn(w, g, *srcs):
+        return ak.depth_attention(w, list(srcs), g, backend="triton").float().square().sum()
+
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.testing.assert_close(compiled(w, g, *sources), fn(w, g, *sources), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+def test_gpu_backward_is_deterministic():
+    sources = [s.cuda() for s in make_sources(9, (8, 1024), 2048, torch.bfloat16)]
+    w, g, g_out = (p.cuda() for p in site_params(3, 2048))
+    first = _run("triton", sources, w, g, g_out)
+    second = _run("triton", sources, w, g, g_out)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
