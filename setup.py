@@ -43,7 +43,7 @@ def cpu_capability() -> str:
 
 def extension():
     cpu_flags = X86_FLAGS[cpu_capability()]
-    sources = ["csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = ["csrc/python_module.cpp", "csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     build_cuda = (
         os.environ.get("ATTNRES_SKIP_CUDA_BUILD", "0") != "1"
@@ -65,9 +65,10 @@ def extension():
                         extra_link_args=link)
 
 
-os.environ.setdefault("MAX_JOBS", "2")
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+if __name__ == "__main__":  # CMakeLists.txt imports this file for X86_FLAGS and cpu_capability()
+    os.environ.setdefault("MAX_JOBS", "2")
+    setup(
+        ext_modules=[extension()],
+        cmdclass={"build_ext": BuildExtension},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    )

@@ -182,7 +182,7 @@ def report(results: dict, pairs, epochs: int) -> str:
     out += ["Training loss (mean over the epoch)", format_table(["epoch", *results], rows), ""]
     rows = []
     for t in LOSS_THRESHOLDS:
-        firsts = [next((i + 1 for i, l in enumerate(r.losses) if l <= t), None) for r in results.values()]
+        firsts = [next((i + 1 for i, loss in enumerate(r.losses) if loss <= t), None) for r in results.values()]
         rows.append([f"<= {t}"] + [str(f) if f else "-" for f in firsts])
     out += ["First epoch reaching the loss", format_table(["loss", *results], rows), ""]
     rows = [[r.name, f"{r.seconds:.1f}", f"{r.seconds / base.seconds:.2f}x" if base else "-",

@@ -1,23 +1,13 @@
-// Op schemas of the `attnres` namespace and the Python module stub.
+// Op schemas of the `attnres` namespace.
 //
 // The schemas live here, the kernels in csrc/cpu (and later csrc/cuda) register
 // implementations with TORCH_LIBRARY_IMPL. Fake (meta) kernels and autograd are
 // registered from Python (attnres_kernels/ops/_native.py).
-#include <Python.h>
 #include <torch/library.h>
 
 #include <string>
 
 #include "depth_attention.h"
-
-extern "C" {
-// `import attnres_kernels._C` loads this shared library, which runs the
-// TORCH_LIBRARY static initializers below; the module itself is empty.
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
-}
-}
 
 namespace attnres {
 

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import torch
 
-# Absolute slack on top of the "2x the error of a same-precision PyTorch run" rule,
-# relative to the magnitude of the oracle.
-ATOL = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+# Absolute slack on top of the "k x the error of a same-precision PyTorch run" rule,
+# relative to the magnitude of the oracle. For fp32 it is ~80 ulps: with logits
+# of magnitude ~20 (D = 1000, unit-scale inputs) a 1-2 ulp difference in a logit
+# moves the source gradients by |<do, v>| ~ sqrt(D) times more, so which of two
+# correct fp32 implementations lands closer to fp64 is largely luck (measured:
+# up to 12x apart over 200 seeds, both within 80 ulps). A wrong formula is off
+# by orders of magnitude, and fp64 gradcheck checks the formulas exactly.
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
 def make_sources(n: int, lead: tuple, d: int, dtype=torch.float32, layout: str = "contiguous",
@@ -38,10 +43,8 @@ def site_params(q, d, dtype=torch.float32):
             1 + 0.3 * torch.randn(shape, dtype=dtype))
 
 
-# A fused kernel rounds in a different order than PyTorch; measured over many
-# seeds its max error is 0.3x-2.5x that of the same-precision reference, so the
-# bound is 3x (a wrong formula is off by orders of magnitude, and fp64 gradcheck
-# checks the formulas exactly).
+# A fused kernel rounds in a different order than PyTorch: its max error is
+# typically 0.3x-2.5x that of the same-precision reference.
 ERROR_FACTOR = 3.0
 
 

@@ -40,7 +40,8 @@ def _grid(backend):
     cases = []
     for k, (dtype, d, n, lead) in enumerate(itertools.product(DTYPES, dims, counts, leads)):
         layout = ("contiguous", "strided", "transposed" if len(lead) > 1 else "strided")[k % 3]
-        cases.append(pytest.param(backend, dtype, d, n, lead, layout, id=f"{backend}-{dtype}-D{d}-N{n}-{lead}-{layout}"))
+        case_id = f"{backend}-{dtype}-D{d}-N{n}-{lead}-{layout}"
+        cases.append(pytest.param(backend, dtype, d, n, lead, layout, id=case_id))
     return cases
 
 

@@ -64,6 +64,28 @@ def test_site_groups_and_poisoned_buffers(monkeypatch, merge):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_triton_kernels_are_launched(monkeypatch):
+    """Counts launches of the real kernels: a fallback could not produce them."""
+    from attnres_kernels.triton import launch
+
+    launches = {}
+
+    class Spy:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            launches[self.name] = launches.get(self.name, 0) + 1
+            return self.kernel[grid]
+
+    for name in ("depth_attn_fwd_kernel", "depth_attn_bwd_kernel", "column_sum_kernel"):
+        monkeypatch.setattr(launch, name, Spy(getattr(launch, name), name))
+    sources = [s.requires_grad_() for s in make_sources(3, (4,), 8)]
+    w, g, _ = site_params(None, 8)
+    ak.depth_attention(w, sources, g, backend="triton").sum().backward()
+    assert launches == {"depth_attn_fwd_kernel": 1, "depth_attn_bwd_kernel": 1, "column_sum_kernel": 1}
+
+
 def test_every_dispatcher_config_respects_the_register_budget():
     from attnres_kernels.triton import launch
 

@@ -112,3 +112,33 @@ def test_missing_extension_is_reported_not_hidden(monkeypatch):
     with pytest.warns(UserWarning, match="plain-PyTorch reference"):
         ak.depth_attention(torch.zeros(D), good_sources(), backend="auto")
     ops._warned_fallbacks.clear()
+
+
+def test_package_imports_without_the_extension():
+    """With ``attnres_kernels._C`` unloadable the reference still works, "auto" warns
+    once and falls back, and naming the C++ backend raises with the reason."""
+    import subprocess
+    import sys
+
+    script = """
+import sys, warnings
+sys.modules["attnres_kernels._C"] = None  # makes `from .. import _C` raise ImportError
+import torch
+import attnres_kernels as ak
+x = [torch.randn(3, 4) for _ in range(2)]
+assert "not loaded" in ak.build_info()
+assert ak.available_backends("cpu", 4)[0] == "reference"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = ak.depth_attention(torch.zeros(4), x)
+assert any("plain-PyTorch reference" in str(w.message) for w in caught)
+torch.testing.assert_close(out, (x[0] + x[1]) / 2)
+try:
+    ak.depth_attention(torch.zeros(4), x, backend="cpu")
+except ak.BackendUnavailableError as exc:
+    assert "not available" in str(exc)
+else:
+    raise AssertionError("backend='cpu' ran without the extension")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -20,7 +20,9 @@ except ImportError as exc:  # not built, or built against another torch
     LOAD_ERROR = exc
 
 if LOAD_ERROR is None:
-    register_depth_attn_ops("attnres::depth_attn_fwd", "attnres::depth_attn_bwd", torch.ops.attnres.depth_attn_bwd.default)
+    register_depth_attn_ops(
+        "attnres::depth_attn_fwd", "attnres::depth_attn_bwd", torch.ops.attnres.depth_attn_bwd.default
+    )
 
 
 def available() -> bool:

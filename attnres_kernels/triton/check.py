@@ -111,11 +111,18 @@ def _check_one(job):
     return f"{line} {regs:5d} {spill:7d} {smem:7d}{'' if spill == 0 else '  SPILLS'}", spill == 0
 
 
+def _default_ptxas():
+    bundled = os.path.join(os.path.dirname(triton_compile.__code__.co_filename), "..", "backends", "nvidia", "bin",
+                           "ptxas")
+    return shutil.which("ptxas") or (os.path.normpath(bundled) if os.path.exists(bundled) else None)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90])
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bfloat16", "float32", "float64"])
-    parser.add_argument("--ptxas", default=shutil.which("ptxas"), help="ptxas binary (default: the one on PATH)")
+    parser.add_argument("--ptxas", default=_default_ptxas(),
+                        help="ptxas binary (default: the CUDA toolkit's on PATH, else the one Triton ships)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     if args.ptxas is None:

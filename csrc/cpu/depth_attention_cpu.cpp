@@ -229,11 +229,6 @@ inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255
 
 // ---------------------------------------------------------------- forward
 
-struct FwdPointers {
-  std::vector<const void*> src;  // row 0 of each source
-  std::vector<int64_t> src_stride;
-};
-
 template <typename scalar_t>
 void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
@@ -322,7 +317,8 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 template <typename scalar_t>
 void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
                          const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
-                         const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t, const at::Tensor& rinv_t, double eps_d,
+                         const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t,
+                         const at::Tensor& rinv_t, double eps_d,
                          std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t, at::Tensor& dh_a_t,
                          at::Tensor& dlse_a_t, at::Tensor& dg_t) {
   using acc_t = at::opmath_type<scalar_t>;
