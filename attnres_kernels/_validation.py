@@ -59,6 +59,15 @@ class DepthReadArgs:
             u = u * self.norm_weight.to(acc)
         return u
 
+    def pack_outputs(self, out: Tensor, lse: Tensor, weights: Optional[Tensor], return_lse: bool,
+                     return_weights: bool):
+        """``out`` followed by ``lse`` and ``weights`` when asked for, without the site
+        dimension for a single-site read; a lone output is returned bare."""
+        outputs = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
+        if not self.multi_query:
+            outputs = [o.squeeze(0) for o in outputs]
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
     def out_norm_weight_acc(self) -> Optional[Tensor]:
         """The fused output-norm weight as a contiguous ``[Q, D]`` accumulation-dtype tensor."""
         if self.out_norm_weight is None:

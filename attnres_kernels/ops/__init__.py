@@ -99,14 +99,10 @@ def _run_fused(backend: str, args: DepthReadArgs, eps: float, prefix, return_lse
     out, lse, logits, _ = _fwd_op(backend)(
         list(args.sources), args.query_key(), prefix_out, prefix_lse, args.out_norm_weight_acc(), float(eps)
     )
-    outputs = [out]
-    if return_lse:
-        outputs.append(lse)
-    if return_weights:
-        outputs.append(torch.exp(logits - lse.unsqueeze(1)))
-    if not args.multi_query:
-        outputs = [o.squeeze(0) for o in outputs]
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    # The weights are the softmax of the saved logits (not exp(logits - lse)): exact
+    # to an ulp, and their backward is the plain softmax backward.
+    weights = torch.softmax(logits, dim=1) if return_weights else None
+    return args.pack_outputs(out, lse, weights, return_lse, return_weights)
 
 
 def depth_attention(

@@ -34,14 +34,7 @@ def _finish(h: Tensor, lse: Tensor, weights: Optional[Tensor], args, eps, out_dt
     if args.out_norm_weight is not None:
         g = args.out_norm_weight.to(h.dtype).reshape(args.num_queries, *([1] * (h.dim() - 2)), -1)
         h = _rms_normalize(h, eps) * g
-    outputs = [h.to(out_dtype)]
-    if return_lse:
-        outputs.append(lse)
-    if return_weights:
-        outputs.append(weights)
-    if not args.multi_query:
-        outputs = [o.squeeze(0) for o in outputs]
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return args.pack_outputs(h.to(out_dtype), lse, weights, return_lse, return_weights)
 
 
 def depth_attention(
