@@ -1,7 +1,8 @@
 # The README's two commands:
 #   make demo    set up .venv (CPU build of torch), build the C++ ops, run the demo
 #   make test    also install the test tools, run pytest and the Triton ahead-of-time check
-# Other targets: make bench (pytest --benchmark), make sweep (benchmarks/results/cpu.md), make cmake.
+# Other targets: make lint (ruff + clang-format), make bench (pytest --benchmark),
+# make sweep (benchmarks/results/cpu.md), make cmake.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ ARGS ?=
 export MAX_JOBS ?= 2
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu)
 
-.PHONY: demo test bench sweep cmake clean
+.PHONY: demo test lint format bench sweep cmake clean
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +31,18 @@ demo: $(VENV)/.built
 test: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest $(ARGS)
 	$(PY) -m attnres_kernels.triton.check
+
+CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
+
+lint: $(VENV)/.dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: $(VENV)/.dev
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 bench: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest --benchmark benchmarks/ $(ARGS)

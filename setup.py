@@ -16,8 +16,16 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 X86_FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
-               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "avx512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+        "-mf16c",
+        "-DCPU_CAPABILITY=AVX512",
+        "-DCPU_CAPABILITY_AVX512",
+    ],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
     "default": [],
 }
@@ -58,11 +66,16 @@ def extension():
     if build_cuda:
         archs = os.environ.get("ATTNRES_CUDA_ARCHS", "80;90").split(";")
         nvcc = ["-O3", "-std=c++17", "--use_fast_math", *(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)]
-        return CUDAExtension("attnres_kernels._C", sources + cuda_sources, py_limited_api=True,
-                             extra_compile_args={"cxx": cxx + ["-DATTNRES_WITH_CUDA"], "nvcc": nvcc},
-                             extra_link_args=link)
-    return CppExtension("attnres_kernels._C", sources, py_limited_api=True, extra_compile_args={"cxx": cxx},
-                        extra_link_args=link)
+        return CUDAExtension(
+            "attnres_kernels._C",
+            sources + cuda_sources,
+            py_limited_api=True,
+            extra_compile_args={"cxx": cxx + ["-DATTNRES_WITH_CUDA"], "nvcc": nvcc},
+            extra_link_args=link,
+        )
+    return CppExtension(
+        "attnres_kernels._C", sources, py_limited_api=True, extra_compile_args={"cxx": cxx}, extra_link_args=link
+    )
 
 
 if __name__ == "__main__":  # CMakeLists.txt imports this file for X86_FLAGS and cpu_capability()

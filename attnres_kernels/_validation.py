@@ -6,15 +6,15 @@ with a message that names the argument instead of failing inside a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-Sources = Union[Tensor, Sequence[Tensor]]
+Sources = Tensor | Sequence[Tensor]
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -30,8 +30,8 @@ class DepthReadArgs:
 
     sources: tuple
     query: Tensor
-    norm_weight: Optional[Tensor]
-    out_norm_weight: Optional[Tensor]
+    norm_weight: Tensor | None
+    out_norm_weight: Tensor | None
     multi_query: bool
 
     @property
@@ -59,8 +59,7 @@ class DepthReadArgs:
             u = u * self.norm_weight.to(acc)
         return u
 
-    def pack_outputs(self, out: Tensor, lse: Tensor, weights: Optional[Tensor], return_lse: bool,
-                     return_weights: bool):
+    def pack_outputs(self, out: Tensor, lse: Tensor, weights: Tensor | None, return_lse: bool, return_weights: bool):
         """``out`` followed by ``lse`` and ``weights`` when asked for, without the site
         dimension for a single-site read; a lone output is returned bare."""
         outputs = [out] + ([lse] if return_lse else []) + ([weights] if return_weights else [])
@@ -68,7 +67,7 @@ class DepthReadArgs:
             outputs = [o.squeeze(0) for o in outputs]
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-    def out_norm_weight_acc(self) -> Optional[Tensor]:
+    def out_norm_weight_acc(self) -> Tensor | None:
         """The fused output-norm weight as a contiguous ``[Q, D]`` accumulation-dtype tensor."""
         if self.out_norm_weight is None:
             return None
@@ -103,22 +102,17 @@ def _check_sources(sources: tuple) -> None:
     if first.dim() < 1:
         raise ValueError("each source must have shape [..., D] with at least one dimension")
     if first.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"sources have dtype {first.dtype}; supported: float16, bfloat16, float32, float64"
-        )
+        raise TypeError(f"sources have dtype {first.dtype}; supported: float16, bfloat16, float32, float64")
     if first.shape[-1] == 0:
         raise ValueError("sources have D = 0 (an empty last dimension)")
     for i, s in enumerate(sources[1:], start=1):
         if s.dtype != first.dtype:
             raise TypeError(f"mixed source dtypes: sources[0] is {first.dtype}, sources[{i}] is {s.dtype}")
         if s.device != first.device:
-            raise ValueError(
-                f"sources on different devices: sources[0] on {first.device}, sources[{i}] on {s.device}"
-            )
+            raise ValueError(f"sources on different devices: sources[0] on {first.device}, sources[{i}] on {s.device}")
         if s.shape != first.shape:
             raise ValueError(
-                f"mismatched source shapes: sources[0] is {tuple(first.shape)}, "
-                f"sources[{i}] is {tuple(s.shape)}"
+                f"mismatched source shapes: sources[0] is {tuple(first.shape)}, sources[{i}] is {tuple(s.shape)}"
             )
 
 
@@ -133,7 +127,7 @@ def _check_param(name: str, t: Tensor, device: torch.device, d: int) -> None:
         raise ValueError(f"`{name}` must have shape [D] or [Q, D] with D = {d}, got {tuple(t.shape)}")
 
 
-def _per_site(name: str, t: Optional[Tensor], q: int, multi_query: bool, device, d: int):
+def _per_site(name: str, t: Tensor | None, q: int, multi_query: bool, device, d: int):
     """Checks a per-site parameter and returns it as ``[Q, D]`` (or None).
 
     For a multi-query read a ``[D]`` tensor is shared by all Q sites; a
@@ -153,8 +147,8 @@ def _per_site(name: str, t: Optional[Tensor], q: int, multi_query: bool, device,
 def check_depth_read(
     query: Tensor,
     sources: Sources,
-    norm_weight: Optional[Tensor],
-    out_norm_weight: Optional[Tensor],
+    norm_weight: Tensor | None,
+    out_norm_weight: Tensor | None,
     eps: float,
 ) -> DepthReadArgs:
     srcs = _as_source_tuple(sources)

@@ -93,7 +93,7 @@ def greedy_translate(model, pairs, tok: CharTokenizer, max_new: int = 48) -> lis
             break
     outs = []
     for i, p in enumerate(prompts):
-        gen = buf[i, len(p): int(lengths[i])].tolist()
+        gen = buf[i, len(p) : int(lengths[i])].tolist()
         if tok.stoi[EOS] in gen:
             gen = gen[: gen.index(tok.stoi[EOS])]
         outs.append(tok.decode(gen))
@@ -101,8 +101,9 @@ def greedy_translate(model, pairs, tok: CharTokenizer, max_new: int = 48) -> lis
 
 
 def build_model(name: str, vocab: int, args) -> torch.nn.Module:
-    common = dict(vocab_size=vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                  backend=args.backend)
+    common = dict(
+        vocab_size=vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads, backend=args.backend
+    )
     if name == "Standard":
         return ak.nn.StandardTransformer(**common)
     if name == "Full":
@@ -134,7 +135,7 @@ def train(name: str, pairs, tok, args) -> tuple:
         order = torch.randperm(len(pairs), generator=order_gen).tolist()
         total, count = 0.0, 0
         for b in range(0, len(pairs), args.batch_size):
-            x, y = make_batch([pairs[i] for i in order[b: b + args.batch_size]], tok)
+            x, y = make_batch([pairs[i] for i in order[b : b + args.batch_size]], tok)
             logits = model(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
             opt.zero_grad(set_to_none=True)
@@ -168,7 +169,7 @@ def mean_depth_weights(model, pairs, tok) -> torch.Tensor:
 def format_table(headers, rows) -> str:
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    line = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
     return "\n".join([line(cells[0]), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
 
 
@@ -185,10 +186,21 @@ def report(results: dict, pairs, epochs: int) -> str:
         firsts = [next((i + 1 for i, loss in enumerate(r.losses) if loss <= t), None) for r in results.values()]
         rows.append([f"<= {t}"] + [str(f) if f else "-" for f in firsts])
     out += ["First epoch reaching the loss", format_table(["loss", *results], rows), ""]
-    rows = [[r.name, f"{r.seconds:.1f}", f"{r.seconds / base.seconds:.2f}x" if base else "-",
-             f"{r.correct}/{len(pairs)}", f"{r.losses[-1]:.4f}"] for r in results.values()]
-    out += ["Time and accuracy", format_table(["model", "train s", "vs Standard", "exact match", "final loss"], rows),
-            ""]
+    rows = [
+        [
+            r.name,
+            f"{r.seconds:.1f}",
+            f"{r.seconds / base.seconds:.2f}x" if base else "-",
+            f"{r.correct}/{len(pairs)}",
+            f"{r.losses[-1]:.4f}",
+        ]
+        for r in results.values()
+    ]
+    out += [
+        "Time and accuracy",
+        format_table(["model", "train s", "vs Standard", "exact match", "final loss"], rows),
+        "",
+    ]
     rows = []
     for k in range(0, len(pairs), max(1, len(pairs) // 6))[:6]:
         rows.append([pairs[k][0], pairs[k][1]] + [r.translations[k] for r in results.values()])
@@ -217,9 +229,13 @@ def plot(results: dict, heatmaps: dict, out_dir: str) -> list:
         fig, axes = plt.subplots(1, len(heatmaps), figsize=(5.5 * len(heatmaps), 5), squeeze=False)
         for ax, (name, table) in zip(axes[0], heatmaps.items()):
             im = ax.imshow(table.numpy(), cmap="viridis", vmin=0, vmax=1, aspect="auto")
-            ax.set(title=f"{name} AttnRes: mean depth weight", xlabel="source (0 = embedding / block 0)",
-                   ylabel="site (attn, mlp per layer; last = output)",
-                   xticks=range(table.shape[1]), yticks=range(table.shape[0]))
+            ax.set(
+                title=f"{name} AttnRes: mean depth weight",
+                xlabel="source (0 = embedding / block 0)",
+                ylabel="site (attn, mlp per layer; last = output)",
+                xticks=range(table.shape[1]),
+                yticks=range(table.shape[0]),
+            )
             fig.colorbar(im, ax=ax, fraction=0.046)
         fig.tight_layout()
         paths.append(os.path.join(out_dir, "depth_attention.png"))
@@ -248,9 +264,11 @@ def main(argv=None) -> dict:
     pairs = load_pairs()
     tok = CharTokenizer([t for pair in pairs for t in pair])
     backend = ak.ops.resolve_backend(args.backend, torch.device("cpu"), args.d_model)
-    print(f"{len(pairs)} pairs, vocab {len(tok.itos)}, d={args.d_model}, L={args.layers}, heads={args.heads}, "
-          f"blocks={args.blocks}, epochs={args.epochs}, depth-attention backend: {backend} ({ak.build_info()}), "
-          f"torch threads: {torch.get_num_threads()}")
+    print(
+        f"{len(pairs)} pairs, vocab {len(tok.itos)}, d={args.d_model}, L={args.layers}, heads={args.heads}, "
+        f"blocks={args.blocks}, epochs={args.epochs}, depth-attention backend: {backend} ({ak.build_info()}), "
+        f"torch threads: {torch.get_num_threads()}"
+    )
     results, heatmaps = {}, {}
     for name in [m for m in MODEL_NAMES if m in args.models]:
         results[name], model = train(name, pairs, tok, args)
@@ -261,10 +279,19 @@ def main(argv=None) -> dict:
     paths = plot(results, heatmaps, args.out)
     summary = {
         "config": vars(args) | {"resolved_backend": backend, "threads": torch.get_num_threads()},
-        "models": {n: {"params": r.params, "losses": r.losses, "train_seconds": r.seconds, "exact_match": r.correct,
-                       "translations": r.translations} for n, r in results.items()},
-        "depth_weights": {n: [[None if math.isnan(v) else v for v in row] for row in t.tolist()]
-                          for n, t in heatmaps.items()},
+        "models": {
+            n: {
+                "params": r.params,
+                "losses": r.losses,
+                "train_seconds": r.seconds,
+                "exact_match": r.correct,
+                "translations": r.translations,
+            }
+            for n, r in results.items()
+        },
+        "depth_weights": {
+            n: [[None if math.isnan(v) else v for v in row] for row in t.tolist()] for n, t in heatmaps.items()
+        },
     }
     with open(os.path.join(args.out, "results.json"), "w", encoding="utf-8") as f:
         json.dump(summary, f, ensure_ascii=False, indent=1)

@@ -27,7 +27,9 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (  # noqa: E402
+import attnres_kernels as ak
+
+from common import (
     forward_backward,
     fused_read,
     make_read_inputs,
@@ -37,8 +39,6 @@ from common import (  # noqa: E402
     saved_activation_bytes,
     tensor_copy,
 )
-
-import attnres_kernels as ak  # noqa: E402
 
 COUNTS, DIMS, ROWS = (3, 9, 17, 33), (256, 1024, 4096), (4096, 16384)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,13 +89,18 @@ def bench_models():
         target = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), generator=gen)
         args = (cfg["vocab"], cfg["d_model"], cfg["n_layers"], cfg["n_heads"])
         base_ms = None
-        variants = [("Standard", {}, "cpu"), ("Full", {}, "cpu"), ("Full", {}, "reference"),
-                    ("Block", {"layers_per_block": cfg["n_layers"] // 3}, "cpu"),
-                    ("Block", {"layers_per_block": cfg["n_layers"] // 3}, "reference")]
+        variants = [
+            ("Standard", {}, "cpu"),
+            ("Full", {}, "cpu"),
+            ("Full", {}, "reference"),
+            ("Block", {"layers_per_block": cfg["n_layers"] // 3}, "cpu"),
+            ("Block", {"layers_per_block": cfg["n_layers"] // 3}, "reference"),
+        ]
         for kind, extra, backend in variants:
             torch.manual_seed(0)
             model = getattr(ak.nn, f"{kind}AttnResTransformer" if kind != "Standard" else "StandardTransformer")(
-                *args, backend=backend, **extra)
+                *args, backend=backend, **extra
+            )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
             def loss_fn():
@@ -111,9 +116,17 @@ def bench_models():
             ms = median_seconds(step, min_runs=5, min_seconds=1.0, warmup=2) * 1e3
             saved = saved_activation_bytes(loss_fn)
             base_ms = ms if kind == "Standard" else base_ms
-            rows.append(dict(config=label, model=kind, depth_read=backend if kind != "Standard" else "-",
-                             step_ms=ms, vs_standard=ms / base_ms, saved_mib=saved / 2**20,
-                             params=sum(p.numel() for p in model.parameters())))
+            rows.append(
+                dict(
+                    config=label,
+                    model=kind,
+                    depth_read=backend if kind != "Standard" else "-",
+                    step_ms=ms,
+                    vs_standard=ms / base_ms,
+                    saved_mib=saved / 2**20,
+                    params=sum(p.numel() for p in model.parameters()),
+                )
+            )
     return rows
 
 
@@ -146,13 +159,14 @@ def write_report(path, reads, models, meta):
         def cell(key, fmt="{:.1f}"):
             return fmt.format(r[key]) if key in r else "—"
 
-        ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "—"  # noqa: E731
+        ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "—"
         lines.append(
             f"| {dt} | {n} | {rows} | {dim} | {cell('cpu_fwd_ms')} | {cell('cpu_fwd_gbps')} | {cell('copy_gbps')} "
             f"| {100 * r['cpu_fwd_gbps'] / r['copy_gbps']:.0f}% | {cell('cpu_fwdbwd_ms')} "
             f"| {cell('reference_fwdbwd_ms')} | {cell('compiled_fwdbwd_ms')} "
             f"| {ratio('reference_fwdbwd_ms', 'cpu_fwdbwd_ms')} | {ratio('compiled_fwdbwd_ms', 'cpu_fwdbwd_ms')} "
-            f"| {ratio('reference_fwd_ms', 'cpu_fwd_ms')} | {ratio('compiled_fwd_ms', 'cpu_fwd_ms')} |")
+            f"| {ratio('reference_fwd_ms', 'cpu_fwd_ms')} | {ratio('compiled_fwd_ms', 'cpu_fwd_ms')} |"
+        )
     if skipped:
         lines += ["", "Not run (sources and gradients would not fit in memory): " + "; ".join(skipped) + "."]
     lines += [
@@ -166,8 +180,10 @@ def write_report(path, reads, models, meta):
         "|---|---|---|---|---|---|---|",
     ]
     for m in models:
-        lines.append(f"| {m['config']} | {m['model']} | {m['depth_read']} | {m['params']:,} | {m['step_ms']:.1f} "
-                     f"| {m['vs_standard']:.2f}x | {m['saved_mib']:.1f} |")
+        lines.append(
+            f"| {m['config']} | {m['model']} | {m['depth_read']} | {m['params']:,} | {m['step_ms']:.1f} "
+            f"| {m['vs_standard']:.2f}x | {m['saved_mib']:.1f} |"
+        )
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -183,13 +199,21 @@ def main(argv=None):
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    meta = dict(date=time.strftime("%Y-%m-%d"), cpu=cpu, threads=torch.get_num_threads(), torch=torch.__version__,
-                build=ak.build_info())
+    meta = dict(
+        date=time.strftime("%Y-%m-%d"),
+        cpu=cpu,
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+        build=ak.build_info(),
+    )
     # Every (N, dtype) recompiles; a cache that overflowed would silently run eager code.
     torch._dynamo.config.cache_size_limit = 256
     compiled_reference = torch.compile(reference_read)
-    cases = [("fp32", 9, 8192, 1024)] if args.quick else [
-        (dt, n, rows, dim) for dt in DTYPES for rows in ROWS for dim in DIMS for n in COUNTS]
+    cases = (
+        [("fp32", 9, 8192, 1024)]
+        if args.quick
+        else [(dt, n, rows, dim) for dt in DTYPES for rows in ROWS for dim in DIMS for n in COUNTS]
+    )
     if not args.quick:
         cases.insert(0, ("fp32", 9, 8192, 1024))  # the target case of the CPU-op issue
     reads = {}
@@ -199,8 +223,9 @@ def main(argv=None):
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     write_report(args.out, reads, models, meta)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(dict(meta=meta, reads={"/".join(map(str, k)): v for k, v in reads.items()}, models=models), f,
-                  indent=1)
+        json.dump(
+            dict(meta=meta, reads={"/".join(map(str, k)): v for k, v in reads.items()}, models=models), f, indent=1
+        )
     print(open(args.out).read())
 
 

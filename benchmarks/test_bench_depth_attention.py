@@ -7,6 +7,10 @@ The full sweep with a markdown report is ``python benchmarks/sweep.py``.
 
 import pytest
 import torch
+
+import attnres_kernels as ak
+from attnres_kernels.demo import CharTokenizer, build_model, load_pairs, make_batch
+
 from common import (
     forward_backward,
     fused_read,
@@ -15,9 +19,6 @@ from common import (
     reference_read,
     tensor_copy,
 )
-
-import attnres_kernels as ak
-from attnres_kernels.demo import CharTokenizer, build_model, load_pairs, make_batch
 
 pytestmark = pytest.mark.benchmark_suite
 
@@ -51,8 +52,9 @@ def test_forward(benchmark, impl, n, rows, dim):
 @pytest.mark.parametrize("impl", ["reference", "compiled_reference", "cpu"])
 def test_forward_backward(benchmark, impl, n, rows, dim):
     sources, query, norm_weight = make_read_inputs(n, rows, dim, torch.float32, requires_grad=True)
-    read = {"reference": reference_read, "compiled_reference": torch.compile(reference_read),
-            "cpu": fused_read("cpu")}[impl]
+    read = {"reference": reference_read, "compiled_reference": torch.compile(reference_read), "cpu": fused_read("cpu")}[
+        impl
+    ]
     grad_out = torch.randn(rows, dim)
     forward_backward(read, sources, query, norm_weight, grad_out)  # compile outside the timing
     benchmark(forward_backward, read, sources, query, norm_weight, grad_out)

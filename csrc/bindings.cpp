@@ -11,9 +11,7 @@
 
 namespace attnres {
 
-std::string build_info() {
-  return std::string("attnres_kernels C++ ops; CPU vector ISA: ") + cpu_vector_isa();
-}
+std::string build_info() { return std::string("attnres_kernels C++ ops; CPU vector ISA: ") + cpu_vector_isa(); }
 
 TORCH_LIBRARY(attnres, m) {
   m.def("build_info() -> str", &build_info);

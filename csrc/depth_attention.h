@@ -26,9 +26,7 @@ struct SourceRows {
   at::IntArrayRef lead_shape;
 };
 
-inline at::ScalarType accumulation_type(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
+inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline SourceRows check_sources(const at::TensorList sources) {
   TORCH_CHECK(!sources.empty(), "depth attention: `sources` is empty (N = 0)");
@@ -47,8 +45,8 @@ inline SourceRows check_sources(const at::TensorList sources) {
     const at::Tensor& s = sources[i];
     TORCH_CHECK(s.sizes() == first.sizes(), "depth attention: sources[", i, "] has shape ", s.sizes(),
                 ", sources[0] has ", first.sizes());
-    TORCH_CHECK(s.scalar_type() == dtype, "depth attention: sources[", i, "] is ", s.scalar_type(),
-                ", sources[0] is ", dtype);
+    TORCH_CHECK(s.scalar_type() == dtype, "depth attention: sources[", i, "] is ", s.scalar_type(), ", sources[0] is ",
+                dtype);
     TORCH_CHECK(s.device() == first.device(), "depth attention: sources on different devices");
     at::Tensor r = s.reshape({out.num_rows, out.dim});
     if (r.stride(1) != 1) r = r.contiguous();

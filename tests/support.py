@@ -14,8 +14,9 @@ import torch
 ATOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
-def make_sources(n: int, lead: tuple, d: int, dtype=torch.float32, layout: str = "contiguous",
-                 scale: float = 1.0) -> list:
+def make_sources(
+    n: int, lead: tuple, d: int, dtype=torch.float32, layout: str = "contiguous", scale: float = 1.0
+) -> list:
     """N random sources of shape ``lead + (d,)``.
 
     ``layout``: "contiguous"; "strided" (every other column of a wider tensor,
@@ -39,8 +40,11 @@ def make_sources(n: int, lead: tuple, d: int, dtype=torch.float32, layout: str =
 def site_params(q, d, dtype=torch.float32):
     """Query, key-norm weight and output-norm weight for Q sites (Q=None: one [D] site)."""
     shape = (d,) if q is None else (q, d)
-    return (torch.randn(shape, dtype=dtype) * 0.5, 1 + 0.3 * torch.randn(shape, dtype=dtype),
-            1 + 0.3 * torch.randn(shape, dtype=dtype))
+    return (
+        torch.randn(shape, dtype=dtype) * 0.5,
+        1 + 0.3 * torch.randn(shape, dtype=dtype),
+        1 + 0.3 * torch.randn(shape, dtype=dtype),
+    )
 
 
 # A fused kernel rounds in a different order than PyTorch: its max error is
@@ -55,8 +59,7 @@ def assert_close_to_oracle(name, actual, same_precision, oracle):
     err = (actual.double() - oracle).abs().max().item()
     base = (same_precision.double() - oracle).abs().max().item()
     slack = ATOL[actual.dtype] * (1.0 + oracle.abs().max().item())
-    assert err <= ERROR_FACTOR * base + slack, (
-        f"{name}: error {err:.3e} > {ERROR_FACTOR} x {base:.3e} + {slack:.3e}")
+    assert err <= ERROR_FACTOR * base + slack, f"{name}: error {err:.3e} > {ERROR_FACTOR} x {base:.3e} + {slack:.3e}"
 
 
 def attnres_ops_called(fn) -> set:
@@ -82,7 +85,7 @@ def read_with_grads(fn, sources, params, out_weights):
 def reference_and_oracle(ref_fn, sources, params, out_weights):
     """The reference run at the inputs' own precision and in fp64."""
     same = read_with_grads(ref_fn, sources, params, out_weights)
-    oracle = read_with_grads(ref_fn, [s.double() for s in sources],
-                             [p.double() if p is not None else None for p in params], out_weights)
+    oracle = read_with_grads(
+        ref_fn, [s.double() for s in sources], [p.double() if p is not None else None for p in params], out_weights
+    )
     return same, oracle
-

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from support import make_sources, site_params
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+
+from support import make_sources, site_params
 
 pytestmark = pytest.mark.skipif("cpu" not in ak.available_backends("cpu"), reason=ak.build_info())
 
@@ -14,13 +15,15 @@ def forward_backward(sources, w, g, g_out, h_a=None, lse_a=None):
     srcs = [s.clone().requires_grad_() for s in sources]
     params = [p.clone().requires_grad_() for p in (w, g, g_out)]
     if h_a is None:
-        out, lse = ak.depth_attention(params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True,
-                                      backend="cpu")
+        out, lse = ak.depth_attention(
+            params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True, backend="cpu"
+        )
         extra = []
     else:
         extra = [h_a.clone().requires_grad_(), lse_a.clone().requires_grad_()]
-        out, lse = ak.depth_attention_merge(params[0], extra[0], extra[1], srcs, params[1],
-                                            out_norm_weight=params[2], return_lse=True, backend="cpu")
+        out, lse = ak.depth_attention_merge(
+            params[0], extra[0], extra[1], srcs, params[1], out_norm_weight=params[2], return_lse=True, backend="cpu"
+        )
     torch.manual_seed(0)
     loss = (out * torch.randn_like(out)).sum() + (lse * torch.randn_like(lse)).sum()
     grads = torch.autograd.grad(loss, srcs + params + extra)
@@ -55,11 +58,12 @@ def test_compile_fullgraph_matches_eager():
     w, g, g_out = site_params(None, 24)
 
     def fn(w, g, g_out, *srcs):
-        h, lse, weights = ak.depth_attention(w, list(srcs), g, out_norm_weight=g_out, return_lse=True,
-                                             return_weights=True, backend="cpu")
+        h, lse, weights = ak.depth_attention(
+            w, list(srcs), g, out_norm_weight=g_out, return_lse=True, return_weights=True, backend="cpu"
+        )
         h_a, lse_a = ak.depth_attention(w, list(srcs[:2]), g, return_lse=True, backend="cpu")
         merged = ak.depth_attention_merge(w, h_a, lse_a, list(srcs[2:]), g, backend="cpu")
-        return (h * 1.5).sum() + lse.sum() + (weights ** 2).sum() + merged.square().sum()
+        return (h * 1.5).sum() + lse.sum() + (weights**2).sum() + merged.square().sum()
 
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     inputs = [t.clone().requires_grad_() for t in (w, g, g_out, *sources)]

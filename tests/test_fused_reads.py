@@ -9,6 +9,10 @@ import itertools
 
 import pytest
 import torch
+
+import attnres_kernels as ak
+from attnres_kernels import reference
+
 from support import (
     assert_close_to_oracle,
     attnres_ops_called,
@@ -17,9 +21,6 @@ from support import (
     reference_and_oracle,
     site_params,
 )
-
-import attnres_kernels as ak
-from attnres_kernels import reference
 
 FUSED = [b for b in ("cpu", "triton") if b in ak.available_backends("cpu", 1000)]
 OP_NAMES = {"cpu": "attnres::depth_attn", "triton": "attnres_triton::depth_attn"}
@@ -118,15 +119,16 @@ def test_merge_equals_fused_read_over_union(backend):
     sources = make_sources(6, (4, 3), 24, torch.float64)
     w, g, g_out = site_params(2, 24, torch.float64)
     h_a, lse_a = ak.depth_attention(w, sources[:4], g, return_lse=True, backend=backend)
-    merged = ak.depth_attention_merge(w, h_a, lse_a, sources[4:], g, out_norm_weight=g_out, return_lse=True,
-                                      backend=backend)
+    merged = ak.depth_attention_merge(
+        w, h_a, lse_a, sources[4:], g, out_norm_weight=g_out, return_lse=True, backend=backend
+    )
     whole = ak.depth_attention(w, sources, g, out_norm_weight=g_out, return_lse=True, backend=backend)
     for a, b in zip(merged, whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def _gradcheck_inputs(q, d=5, n=3, rows=(2,)):
-    mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, dtype=torch.float64, requires_grad=True)
     qs = (d,) if q is None else (q, d)
     return [mk(*rows, d) for _ in range(n)], mk(*qs), mk(*qs), mk(*qs)
 
@@ -144,16 +146,24 @@ def test_gradcheck_fp64(backend, variant):
 
         def fn(*args):
             *srcs, w, g, g_out, h_a, lse_a = args
-            return ak.depth_attention_merge(w, h_a, lse_a, srcs, g, out_norm_weight=g_out if use_norm else None,
-                                            return_lse=True, backend=backend)
+            return ak.depth_attention_merge(
+                w, h_a, lse_a, srcs, g, out_norm_weight=g_out if use_norm else None, return_lse=True, backend=backend
+            )
 
         inputs = (*sources, w, g, g_out, h_a, lse_a)
     else:
 
         def fn(*args):
             *srcs, w, g, g_out = args
-            return ak.depth_attention(w, srcs, g, out_norm_weight=g_out if use_norm else None, return_lse=True,
-                                      return_weights=True, backend=backend)
+            return ak.depth_attention(
+                w,
+                srcs,
+                g,
+                out_norm_weight=g_out if use_norm else None,
+                return_lse=True,
+                return_weights=True,
+                backend=backend,
+            )
 
         inputs = (*sources, w, g, g_out)
     assert torch.autograd.gradcheck(fn, inputs, fast_mode=backend == "triton")
@@ -204,8 +214,9 @@ def test_fp16_large_magnitudes_stay_finite(backend):
         got = ak.depth_attention(w, sources, g, backend=backend, **kwargs)
         assert torch.isfinite(got).all()
         want = reference.depth_attention(w, sources, g, **kwargs)
-        oracle = reference.depth_attention(w.double(), [s.double() for s in sources], g.double(),
-                                           **{k: v.double() for k, v in kwargs.items()})
+        oracle = reference.depth_attention(
+            w.double(), [s.double() for s in sources], g.double(), **{k: v.double() for k, v in kwargs.items()}
+        )
         assert_close_to_oracle("out", got, want, oracle)
 
 

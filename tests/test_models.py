@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from support import attnres_ops_called
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+
+from support import attnres_ops_called
 
 VOCAB, D, HEADS = 37, 16, 2
 
@@ -58,7 +59,7 @@ def test_uniform_weights_at_init(impl, kind):
 @pytest.mark.parametrize("impl", [reference, ak.nn])
 @pytest.mark.parametrize("n_layers", [1, 6])
 def test_parameter_delta_is_two_d_per_site(impl, n_layers):
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    count = lambda m: sum(p.numel() for p in m.parameters())
     standard = count(impl.StandardTransformer(VOCAB, D, n_layers, HEADS))
     n_sites = 2 * n_layers + 1
     assert count(impl.FullAttnResTransformer(VOCAB, D, n_layers, HEADS)) - standard == 2 * D * n_sites

@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
-from support import make_sources, site_params
 
 from attnres_kernels import reference
+
+from support import make_sources, site_params
 
 
 def loop_depth_read(w, g, sources, eps, out_norm_weight=None):
@@ -32,9 +33,11 @@ def loop_depth_read(w, g, sources, eps, out_norm_weight=None):
         lses.append(top + math.log(z))
         weights.append(alpha)
     lead = sources[0].shape[:-1]
-    return (torch.tensor(outs, dtype=torch.float64).reshape(*lead, d),
-            torch.tensor(lses, dtype=torch.float64).reshape(lead),
-            torch.tensor(weights, dtype=torch.float64).T.reshape(len(sources), *lead))
+    return (
+        torch.tensor(outs, dtype=torch.float64).reshape(*lead, d),
+        torch.tensor(lses, dtype=torch.float64).reshape(lead),
+        torch.tensor(weights, dtype=torch.float64).T.reshape(len(sources), *lead),
+    )
 
 
 @pytest.mark.parametrize("n,lead,d", [(1, (3,), 7), (4, (2, 3), 5), (6, (5,), 1), (3, (), 9)])
@@ -44,8 +47,9 @@ def test_reference_matches_row_by_row_fp64(n, lead, d, out_norm):
     w, g, g_out = site_params(None, d, torch.float64)
     eps = 1e-5
     expected = loop_depth_read(w, g, sources, eps, g_out if out_norm else None)
-    got = reference.depth_attention(w, sources, g, eps=eps, out_norm_weight=g_out if out_norm else None,
-                                    return_lse=True, return_weights=True)
+    got = reference.depth_attention(
+        w, sources, g, eps=eps, out_norm_weight=g_out if out_norm else None, return_lse=True, return_weights=True
+    )
     for name, a, b in zip(("h", "lse", "weights"), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, msg=name)
 
@@ -64,8 +68,9 @@ def test_multi_query_equals_single_reads(dtype):
     w, g, g_out = site_params(q, d, dtype)
     multi = reference.depth_attention(w, sources, g, out_norm_weight=g_out, return_lse=True, return_weights=True)
     for i in range(q):
-        single = reference.depth_attention(w[i], sources, g[i], out_norm_weight=g_out[i], return_lse=True,
-                                           return_weights=True)
+        single = reference.depth_attention(
+            w[i], sources, g[i], out_norm_weight=g_out[i], return_lse=True, return_weights=True
+        )
         for a, b in zip(multi, single):
             torch.testing.assert_close(a[i], b)
 
@@ -74,8 +79,9 @@ def test_multi_query_shared_norm_weight_broadcasts():
     sources = make_sources(3, (4,), 6)
     w = torch.randn(2, 6)
     g = torch.rand(6) + 0.5
-    torch.testing.assert_close(reference.depth_attention(w, sources, g),
-                               reference.depth_attention(w, sources, g.expand(2, 6)))
+    torch.testing.assert_close(
+        reference.depth_attention(w, sources, g), reference.depth_attention(w, sources, g.expand(2, 6))
+    )
 
 
 def test_list_input_equals_stacked_input():
@@ -94,8 +100,7 @@ def test_merge_equals_single_read_over_union(split, multi_query):
     sources = make_sources(5, (3, 4), d, torch.float64)
     w, g, g_out = site_params(2 if multi_query else None, d, torch.float64)
     h_a, lse_a = reference.depth_attention(w, sources[:split], g, return_lse=True)
-    merged = reference.depth_attention_merge(w, h_a, lse_a, sources[split:], g, out_norm_weight=g_out,
-                                             return_lse=True)
+    merged = reference.depth_attention_merge(w, h_a, lse_a, sources[split:], g, out_norm_weight=g_out, return_lse=True)
     whole = reference.depth_attention(w, sources, g, out_norm_weight=g_out, return_lse=True)
     for a, b in zip(merged, whole):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

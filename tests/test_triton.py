@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from support import assert_close_to_oracle, make_sources, site_params
 
 import attnres_kernels as ak
 import attnres_kernels.triton as triton_backend
 from attnres_kernels import reference
+
+from support import assert_close_to_oracle, make_sources, site_params
 
 pytestmark = pytest.mark.skipif(triton_backend.IMPORT_ERROR is not None, reason="triton is not installed")
 
@@ -32,13 +33,15 @@ def _run(backend, sources, w, g, g_out, h_a=None, lse_a=None):
     params = [p.clone().requires_grad_() for p in (w, g, g_out)]
     extra = [] if h_a is None else [h_a.clone().requires_grad_(), lse_a.clone().requires_grad_()]
     if extra:
-        out, lse = ak.depth_attention_merge(params[0], *extra, srcs, params[1], out_norm_weight=params[2],
-                                            return_lse=True, backend=backend)
+        out, lse = ak.depth_attention_merge(
+            params[0], *extra, srcs, params[1], out_norm_weight=params[2], return_lse=True, backend=backend
+        )
     else:
-        out, lse = ak.depth_attention(params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True,
-                                      backend=backend)
+        out, lse = ak.depth_attention(
+            params[0], srcs, params[1], out_norm_weight=params[2], return_lse=True, backend=backend
+        )
     gen = torch.Generator(device=out.device).manual_seed(1)
-    rand = lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)  # noqa: E731
+    rand = lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype, device=t.device)
     loss = (out * rand(out)).sum() + (lse * rand(lse)).sum()
     return [out, lse, *torch.autograd.grad(loss, srcs + params + extra)]
 
@@ -129,8 +132,9 @@ def test_gpu_end_to_end_matches_reference(dtype, q, out_norm):
     got = ak.depth_attention(w, sources, g, out_norm_weight=g_out, backend="auto")
     assert ak.ops.resolve_backend("auto", sources[0].device, 1024, dtype) == "triton"
     same = reference.depth_attention(w, sources, g, out_norm_weight=g_out)
-    oracle = reference.depth_attention(w.double(), [s.double() for s in sources], g.double(),
-                                       out_norm_weight=g_out.double() if out_norm else None)
+    oracle = reference.depth_attention(
+        w.double(), [s.double() for s in sources], g.double(), out_norm_weight=g_out.double() if out_norm else None
+    )
     assert_close_to_oracle("out", got, same, oracle)
 
 

@@ -38,25 +38,53 @@ BAD_READS = [
     ("empty list", lambda: (torch.zeros(D), []), {}, ValueError, "empty"),
     ("empty stacked tensor", lambda: (torch.zeros(D), torch.empty(0, 2, D)), {}, ValueError, "N = 0"),
     ("not a tensor", lambda: (torch.zeros(D), [torch.randn(2, D), [1.0] * D]), {}, TypeError, "sources\\[1\\]"),
-    ("mismatched shapes", lambda: (torch.zeros(D), [torch.randn(2, D), torch.randn(3, D)]), {}, ValueError,
-     "mismatched source shapes"),
+    (
+        "mismatched shapes",
+        lambda: (torch.zeros(D), [torch.randn(2, D), torch.randn(3, D)]),
+        {},
+        ValueError,
+        "mismatched source shapes",
+    ),
     ("query width", lambda: (torch.zeros(D + 1), good_sources()), {}, ValueError, "query"),
     ("query rank", lambda: (torch.zeros(1, 2, D), good_sources()), {}, ValueError, "query"),
-    ("Q mismatch", lambda: (torch.zeros(3, D), good_sources()), {"norm_weight": torch.ones(2, D)}, ValueError,
-     "Q = 2 sites but `query` has Q = 3"),
-    ("[Q, D] norm for single site", lambda: (torch.zeros(D), good_sources()), {"norm_weight": torch.ones(2, D)},
-     ValueError, "single"),
-    ("out norm width", lambda: (torch.zeros(D), good_sources()), {"out_norm_weight": torch.ones(D - 1)},
-     ValueError, "out_norm_weight"),
-    ("integer sources", lambda: (torch.zeros(D), [torch.ones(2, D, dtype=torch.int32)] * 2), {}, TypeError,
-     "dtype"),
+    (
+        "Q mismatch",
+        lambda: (torch.zeros(3, D), good_sources()),
+        {"norm_weight": torch.ones(2, D)},
+        ValueError,
+        "Q = 2 sites but `query` has Q = 3",
+    ),
+    (
+        "[Q, D] norm for single site",
+        lambda: (torch.zeros(D), good_sources()),
+        {"norm_weight": torch.ones(2, D)},
+        ValueError,
+        "single",
+    ),
+    (
+        "out norm width",
+        lambda: (torch.zeros(D), good_sources()),
+        {"out_norm_weight": torch.ones(D - 1)},
+        ValueError,
+        "out_norm_weight",
+    ),
+    ("integer sources", lambda: (torch.zeros(D), [torch.ones(2, D, dtype=torch.int32)] * 2), {}, TypeError, "dtype"),
     ("integer query", lambda: (torch.zeros(D, dtype=torch.int64), good_sources()), {}, TypeError, "floating"),
-    ("mixed source dtypes", lambda: (torch.zeros(D), [torch.randn(2, D), torch.randn(2, D).double()]), {},
-     TypeError, "mixed source dtypes"),
-    ("sources on different devices", lambda: (torch.zeros(D), [torch.randn(2, D), torch.empty(2, D, device="meta")]),
-     {}, ValueError, "different devices"),
-    ("query on another device", lambda: (torch.zeros(D, device="meta"), good_sources()), {}, ValueError,
-     "query"),
+    (
+        "mixed source dtypes",
+        lambda: (torch.zeros(D), [torch.randn(2, D), torch.randn(2, D).double()]),
+        {},
+        TypeError,
+        "mixed source dtypes",
+    ),
+    (
+        "sources on different devices",
+        lambda: (torch.zeros(D), [torch.randn(2, D), torch.empty(2, D, device="meta")]),
+        {},
+        ValueError,
+        "different devices",
+    ),
+    ("query on another device", lambda: (torch.zeros(D, device="meta"), good_sources()), {}, ValueError, "query"),
     ("negative eps", lambda: (torch.zeros(D), good_sources()), {"eps": -1.0}, ValueError, "eps"),
     ("zero width", lambda: (torch.zeros(0), [torch.randn(2, 0)]), {}, ValueError, "D = 0"),
 ]
@@ -79,8 +107,11 @@ def test_bad_input_is_rejected(backend, case):
 def test_bad_merge_prefix_is_rejected(backend):
     sources = good_sources(2)
     w = torch.zeros(D)
-    fn = reference.depth_attention_merge if backend == "reference" else (
-        lambda *a, **k: ak.depth_attention_merge(*a, backend=backend, **k))
+    fn = (
+        reference.depth_attention_merge
+        if backend == "reference"
+        else (lambda *a, **k: ak.depth_attention_merge(*a, backend=backend, **k))
+    )
     with pytest.raises(ValueError, match="prefix_out"):
         fn(w, torch.zeros(2, 5, D), torch.zeros(2, 4), sources)
     with pytest.raises(ValueError, match="prefix_lse"):

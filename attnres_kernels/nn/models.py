@@ -45,8 +45,9 @@ class StandardTransformer(_FusedLM):
 
     site_cls = None
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6,
-                 backend: str = "auto"):
+    def __init__(
+        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6, backend: str = "auto"
+    ):
         super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
         self._set_backend(backend)
 
@@ -81,8 +82,9 @@ class _AttnResLM(_FusedLM):
 class FullAttnResTransformer(_AttnResLM):
     """Full AttnRes: every sublayer output is a source of every later read."""
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6,
-                 backend: str = "auto"):
+    def __init__(
+        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6, backend: str = "auto"
+    ):
         super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
         self._set_backend(backend)
 
@@ -93,8 +95,17 @@ class FullAttnResTransformer(_AttnResLM):
 class BlockAttnResTransformer(_AttnResLM):
     """Block AttnRes: reads over committed blocks of ``layers_per_block`` layers plus the partial sum."""
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, layers_per_block: int,
-                 eps: float = 1e-6, backend: str = "auto"):
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        *,
+        layers_per_block: int,
+        eps: float = 1e-6,
+        backend: str = "auto",
+    ):
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)

@@ -18,8 +18,6 @@ A model's forward then reads::
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -42,12 +40,17 @@ class DepthAttentionSite(nn.Module):
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm_weight = nn.Parameter(torch.ones(d_model))
 
-    def forward(self, sources: List[Tensor], *, out_norm_weight: Optional[Tensor] = None,
-                return_weights: bool = False):
+    def forward(self, sources: list[Tensor], *, out_norm_weight: Tensor | None = None, return_weights: bool = False):
         """``h`` (or ``rmsnorm(h) * out_norm_weight``), plus the weights ``[N, ...]`` if asked."""
-        return ops.depth_attention(self.query, sources, self.norm_weight, eps=self.eps,
-                                   out_norm_weight=out_norm_weight, return_weights=return_weights,
-                                   backend=self.backend)
+        return ops.depth_attention(
+            self.query,
+            sources,
+            self.norm_weight,
+            eps=self.eps,
+            out_norm_weight=out_norm_weight,
+            return_weights=return_weights,
+            backend=self.backend,
+        )
 
     def extra_repr(self) -> str:
         return f"d_model={self.query.shape[0]}, eps={self.eps}, backend={self.backend!r}"
@@ -63,7 +66,7 @@ class FullAttnResState:
         """Full AttnRes has no block boundaries."""
 
     @property
-    def sources(self) -> List[Tensor]:
+    def sources(self) -> list[Tensor]:
         return list(self._sources)
 
     def add(self, output: Tensor) -> None:
@@ -83,8 +86,8 @@ class BlockAttnResState:
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         self.layers_per_block = layers_per_block
-        self.blocks: List[Tensor] = []
-        self.partial: Optional[Tensor] = embedding
+        self.blocks: list[Tensor] = []
+        self.partial: Tensor | None = embedding
 
     def begin_layer(self, index: int) -> None:
         if index % self.layers_per_block == 0:
@@ -92,7 +95,7 @@ class BlockAttnResState:
             self.partial = None
 
     @property
-    def sources(self) -> List[Tensor]:
+    def sources(self) -> list[Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
     def add(self, output: Tensor) -> None:

@@ -18,7 +18,6 @@ A backend named explicitly that cannot serve the call raises
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -34,7 +33,7 @@ class BackendUnavailableError(RuntimeError):
     """A backend was asked for by name but cannot run this call."""
 
 
-def _triton_unavailable_reason(device: torch.device, dim: int, dtype: torch.dtype) -> Optional[str]:
+def _triton_unavailable_reason(device: torch.device, dim: int, dtype: torch.dtype) -> str | None:
     from .. import triton as triton_backend
 
     if triton_backend.IMPORT_ERROR is not None:
@@ -48,7 +47,7 @@ def _triton_unavailable_reason(device: torch.device, dim: int, dtype: torch.dtyp
     return None
 
 
-def _unavailable_reason(backend: str, device: torch.device, dim: int, dtype: torch.dtype) -> Optional[str]:
+def _unavailable_reason(backend: str, device: torch.device, dim: int, dtype: torch.dtype) -> str | None:
     if backend == "reference":
         return None
     if backend in ("cpu", "cuda"):
@@ -81,8 +80,11 @@ def resolve_backend(backend: str, device: torch.device, dim: int, dtype: torch.d
     if preferred and (device.type, dim, dtype) not in _warned_fallbacks:
         _warned_fallbacks.add((device.type, dim, dtype))
         reasons = "; ".join(_unavailable_reason(c, device, dim, dtype) for c in preferred)
-        warnings.warn(f"attnres_kernels: no fused backend for {device.type} tensors ({reasons}); "
-                      "using the plain-PyTorch reference", stacklevel=3)
+        warnings.warn(
+            f"attnres_kernels: no fused backend for {device.type} tensors ({reasons}); "
+            "using the plain-PyTorch reference",
+            stacklevel=3,
+        )
     return "reference"
 
 
@@ -108,10 +110,10 @@ def _run_fused(backend: str, args: DepthReadArgs, eps: float, prefix, return_lse
 def depth_attention(
     query: Tensor,
     sources: Sources,
-    norm_weight: Optional[Tensor] = None,
+    norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    out_norm_weight: Optional[Tensor] = None,
+    out_norm_weight: Tensor | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
     backend: str = "auto",
@@ -126,8 +128,15 @@ def depth_attention(
     args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
     chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
     if chosen == "reference":
-        return reference.depth_attention(query, sources, norm_weight, eps=eps, out_norm_weight=out_norm_weight,
-                                         return_lse=return_lse, return_weights=return_weights)
+        return reference.depth_attention(
+            query,
+            sources,
+            norm_weight,
+            eps=eps,
+            out_norm_weight=out_norm_weight,
+            return_lse=return_lse,
+            return_weights=return_weights,
+        )
     return _run_fused(chosen, args, eps, (None, None), return_lse, return_weights)
 
 
@@ -136,10 +145,10 @@ def depth_attention_merge(
     prefix_out: Tensor,
     prefix_lse: Tensor,
     sources: Sources,
-    norm_weight: Optional[Tensor] = None,
+    norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    out_norm_weight: Optional[Tensor] = None,
+    out_norm_weight: Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
 ):
@@ -152,8 +161,16 @@ def depth_attention_merge(
     prefix = check_prefix(args, prefix_out, prefix_lse)
     chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
     if chosen == "reference":
-        return reference.depth_attention_merge(query, prefix_out, prefix_lse, sources, norm_weight, eps=eps,
-                                               out_norm_weight=out_norm_weight, return_lse=return_lse)
+        return reference.depth_attention_merge(
+            query,
+            prefix_out,
+            prefix_lse,
+            sources,
+            norm_weight,
+            eps=eps,
+            out_norm_weight=out_norm_weight,
+            return_lse=return_lse,
+        )
     return _run_fused(chosen, args, eps, prefix, return_lse, False)
 
 

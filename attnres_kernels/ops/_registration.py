@@ -43,8 +43,9 @@ def fake_fwd(sources, query_key, prefix_out, prefix_lse, out_norm_weight, eps):
     )
 
 
-def fake_bwd(grad_out, grad_lse, grad_logits, sources, query_key, prefix_out, prefix_lse, out_norm_weight,
-             logits, rinv, eps):
+def fake_bwd(
+    grad_out, grad_lse, grad_logits, sources, query_key, prefix_out, prefix_lse, out_norm_weight, logits, rinv, eps
+):
     def empty_like_or_none(t, like):
         return torch.empty_like(t, memory_format=torch.contiguous_format) if t is not None else like.new_empty((0,))
 
@@ -72,13 +73,22 @@ def register_depth_attn_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
     def backward(ctx, grad_out, grad_lse, grad_logits, _grad_rinv):
         saved = ctx.saved_tensors
         sources = list(saved[: ctx.num_sources])
-        query_key, prefix_out, prefix_lse, out_norm_weight, logits, rinv = saved[ctx.num_sources:]
+        query_key, prefix_out, prefix_lse, out_norm_weight, logits, rinv = saved[ctx.num_sources :]
         if grad_out is None:
             first = sources[0]
             grad_out = first.new_zeros((query_key.shape[0], *first.shape))
         grad_sources, grad_qk, grad_prefix_out, grad_prefix_lse, grad_g = bwd_op(
-            grad_out, grad_lse, grad_logits, sources, query_key, prefix_out, prefix_lse, out_norm_weight,
-            logits, rinv, ctx.eps,
+            grad_out,
+            grad_lse,
+            grad_logits,
+            sources,
+            query_key,
+            prefix_out,
+            prefix_lse,
+            out_norm_weight,
+            logits,
+            rinv,
+            ctx.eps,
         )
         return (
             grad_sources,

@@ -14,8 +14,6 @@ output site reads all sources before the final norm.
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 from torch import Tensor, nn
 
@@ -72,13 +70,13 @@ class DepthSite(nn.Module):
         self.query = nn.Parameter(torch.zeros(d_model))
         self.norm_weight = nn.Parameter(torch.ones(d_model))
 
-    def forward(self, sources: List[Tensor]):
+    def forward(self, sources: list[Tensor]):
         """Returns ``(h, weights)`` with ``weights`` of shape ``[len(sources), ...]``."""
         return depth_attention(self.query, sources, self.norm_weight, eps=self.eps, return_weights=True)
 
 
 class Layer(nn.Module):
-    def __init__(self, model: "_DecoderLM", d_model: int, n_heads: int, eps: float):
+    def __init__(self, model: _DecoderLM, d_model: int, n_heads: int, eps: float):
         super().__init__()
         self.attn_norm = model.norm_cls(d_model, eps)
         self.attn = model.attention_cls(d_model, n_heads)
@@ -117,7 +115,7 @@ class _DecoderLM(nn.Module):
         self.final_norm = self.norm_cls(d_model, eps)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def _output(self, h: Tensor, weights: Optional[list], return_depth_weights: bool):
+    def _output(self, h: Tensor, weights: list | None, return_depth_weights: bool):
         logits = self.head(self.final_norm(h))
         return (logits, weights) if return_depth_weights else logits
 
@@ -162,16 +160,17 @@ class BlockAttnResTransformer(_DecoderLM):
     read sees the committed blocks plus the current partial sum, if any.
     """
 
-    def __init__(self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *,
-                 layers_per_block: int, eps: float = 1e-6):
+    def __init__(
+        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, layers_per_block: int, eps: float = 1e-6
+    ):
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
         super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
         self.layers_per_block = layers_per_block
 
     def forward(self, idx: Tensor, return_depth_weights: bool = False):
-        blocks: List[Tensor] = []
-        partial: Optional[Tensor] = self.embed(idx)
+        blocks: list[Tensor] = []
+        partial: Tensor | None = self.embed(idx)
         weights = []
         for i, layer in enumerate(self.layers):
             if i % self.layers_per_block == 0:

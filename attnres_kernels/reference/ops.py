@@ -8,7 +8,6 @@ formulas exactly as the design states them. Autograd provides the backward.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -30,7 +29,7 @@ def _logits(u: Tensor, v: Tensor, eps: float) -> Tensor:
     return dots * r.unsqueeze(0)
 
 
-def _finish(h: Tensor, lse: Tensor, weights: Optional[Tensor], args, eps, out_dtype, return_lse, return_weights):
+def _finish(h: Tensor, lse: Tensor, weights: Tensor | None, args, eps, out_dtype, return_lse, return_weights):
     if args.out_norm_weight is not None:
         g = args.out_norm_weight.to(h.dtype).reshape(args.num_queries, *([1] * (h.dim() - 2)), -1)
         h = _rms_normalize(h, eps) * g
@@ -40,10 +39,10 @@ def _finish(h: Tensor, lse: Tensor, weights: Optional[Tensor], args, eps, out_dt
 def depth_attention(
     query: Tensor,
     sources: Sources,
-    norm_weight: Optional[Tensor] = None,
+    norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    out_norm_weight: Optional[Tensor] = None,
+    out_norm_weight: Tensor | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
 ):
@@ -78,10 +77,10 @@ def depth_attention_merge(
     prefix_out: Tensor,
     prefix_lse: Tensor,
     sources: Sources,
-    norm_weight: Optional[Tensor] = None,
+    norm_weight: Tensor | None = None,
     *,
     eps: float = 1e-6,
-    out_norm_weight: Optional[Tensor] = None,
+    out_norm_weight: Tensor | None = None,
     return_lse: bool = False,
 ):
     """Extends a finished read ``(h_a, lse_a)`` over a source set A with extra sources B.
@@ -105,7 +104,7 @@ def depth_attention_merge(
     return _finish(h, lse, None, args, eps, args.dtype, return_lse, False)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
     """``softmax(q kᵀ · scale + causal mask) v`` for ``[B, H, T, Dh]`` inputs, computed in fp32/fp64."""
     if not (q.shape == k.shape == v.shape) or q.dim() != 4:
         raise ValueError(

@@ -28,15 +28,15 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
     if "attnres_kernels.triton.kernels" in sys.modules:
         raise SystemExit("run the AOT check in a fresh process without TRITON_INTERPRET=1")
 
-import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.compiler import compile as triton_compile  # noqa: E402
-from triton.runtime.jit import MockTensor, create_function_from_signature  # noqa: E402
+import torch
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.compiler import compile as triton_compile
+from triton.runtime.jit import MockTensor, create_function_from_signature
 
-from . import kernels  # noqa: E402
-from .launch import BWD_ROWS, COLUMN_SUM_BLOCK, all_kernel_configs  # noqa: E402
+from . import kernels
+from .launch import BWD_ROWS, COLUMN_SUM_BLOCK, all_kernel_configs
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 PTXAS_LINE = re.compile(r"Used (\d+) registers")
@@ -53,15 +53,52 @@ def _launches(cfg, dtype):
     src, acc, table = MockTensor(dtype), MockTensor(acc_torch), MockTensor(torch.int64)
     tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=16 // src.dtype.itemsize)
     m, d, n, nq = 4096, 1024, 9, 2
-    yield ("depth_attn_fwd", kernels.depth_attn_fwd_kernel,
-           [src, table, table, n, acc, src, acc, acc, src, acc, acc, acc, m, d, nq, n * m],
-           dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile))
+    yield (
+        "depth_attn_fwd",
+        kernels.depth_attn_fwd_kernel,
+        [src, table, table, n, acc, src, acc, acc, src, acc, acc, acc, m, d, nq, n * m],
+        dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile),
+    )
     for out_norm in (True, False):
-        yield (f"depth_attn_bwd[out_norm={int(out_norm)}]", kernels.depth_attn_bwd_kernel,
-               [src, table, table, src, table, n, src, acc, acc, acc, acc, acc, acc, src, acc, src, acc, acc, acc,
-                m, d, nq, n * m],
-               dict(EPS=1e-6, HAS_OUT_NORM=out_norm, HAS_PREFIX=True, HAS_DLSE=True, HAS_DLOGITS=True,
-                    ACCUMULATE_DV=True, ROWS=BWD_ROWS, **tile))
+        yield (
+            f"depth_attn_bwd[out_norm={int(out_norm)}]",
+            kernels.depth_attn_bwd_kernel,
+            [
+                src,
+                table,
+                table,
+                src,
+                table,
+                n,
+                src,
+                acc,
+                acc,
+                acc,
+                acc,
+                acc,
+                acc,
+                src,
+                acc,
+                src,
+                acc,
+                acc,
+                acc,
+                m,
+                d,
+                nq,
+                n * m,
+            ],
+            dict(
+                EPS=1e-6,
+                HAS_OUT_NORM=out_norm,
+                HAS_PREFIX=True,
+                HAS_DLSE=True,
+                HAS_DLOGITS=True,
+                ACCUMULATE_DV=True,
+                ROWS=BWD_ROWS,
+                **tile,
+            ),
+        )
 
 
 def _compile_ptx(kernel, args, constexprs, launch_options, arch):
@@ -81,8 +118,11 @@ def _ptxas(ptx: str, ptxas: str):
         path = os.path.join(tmp, "kernel.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        result = subprocess.run([ptxas, "-v", f"--gpu-name={gpu_name}", path, "-o", os.path.join(tmp, "k.cubin")],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            [ptxas, "-v", f"--gpu-name={gpu_name}", path, "-o", os.path.join(tmp, "k.cubin")],
+            capture_output=True,
+            text=True,
+        )
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip())
     report = result.stderr
@@ -112,8 +152,9 @@ def _check_one(job):
 
 
 def _default_ptxas():
-    bundled = os.path.join(os.path.dirname(triton_compile.__code__.co_filename), "..", "backends", "nvidia", "bin",
-                           "ptxas")
+    bundled = os.path.join(
+        os.path.dirname(triton_compile.__code__.co_filename), "..", "backends", "nvidia", "bin", "ptxas"
+    )
     return shutil.which("ptxas") or (os.path.normpath(bundled) if os.path.exists(bundled) else None)
 
 
@@ -121,8 +162,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90])
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bfloat16", "float32", "float64"])
-    parser.add_argument("--ptxas", default=_default_ptxas(),
-                        help="ptxas binary (default: the CUDA toolkit's on PATH, else the one Triton ships)")
+    parser.add_argument(
+        "--ptxas",
+        default=_default_ptxas(),
+        help="ptxas binary (default: the CUDA toolkit's on PATH, else the one Triton ships)",
+    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     if args.ptxas is None:
@@ -137,15 +181,19 @@ def main(argv=None) -> int:
         for arch in args.arch
     ]
     jobs += [("column_sum", None, "float32", arch, args.ptxas) for arch in args.arch]
-    print(f"{'kernel':28s} {'dtype':9s} {'BLOCK_D':>7s} {'BLOCK_Q':>7s} {'warps':>5s} {'arch':>6s} "
-          f"{'regs':>5s} {'spill B':>7s} {'smem B':>7s}")
+    print(
+        f"{'kernel':28s} {'dtype':9s} {'BLOCK_D':>7s} {'BLOCK_Q':>7s} {'warps':>5s} {'arch':>6s} "
+        f"{'regs':>5s} {'spill B':>7s} {'smem B':>7s}"
+    )
     failures = 0
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for line, ok in pool.map(_check_one, jobs):
             failures += not ok
             print(line, flush=True)
-    print(f"{'FAILED' if failures else 'OK'}: {len(jobs)} kernel configurations compiled for "
-          f"{', '.join('sm_' + str(a) for a in args.arch)}, {failures} failing, {time.time() - start:.0f} s")
+    print(
+        f"{'FAILED' if failures else 'OK'}: {len(jobs)} kernel configurations compiled for "
+        f"{', '.join('sm_' + str(a) for a in args.arch)}, {failures} failing, {time.time() - start:.0f} s"
+    )
     return 1 if failures else 0
 
 

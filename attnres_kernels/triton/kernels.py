@@ -39,12 +39,29 @@ def _source_row(base_ptr, offsets_ptr, strides_ptr, i, row, ALIGN: tl.constexpr)
 
 @triton.jit
 def depth_attn_fwd_kernel(
-    src_ptr, src_offsets_ptr, src_strides_ptr, n_src,
-    u_ptr, prefix_h_ptr, prefix_lse_ptr, g_ptr,
-    out_ptr, lse_ptr, logits_ptr, rinv_ptr,
-    M, D, n_q, stride_logits_q,
-    EPS: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_OUT_NORM: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr,
+    src_ptr,
+    src_offsets_ptr,
+    src_strides_ptr,
+    n_src,
+    u_ptr,
+    prefix_h_ptr,
+    prefix_lse_ptr,
+    g_ptr,
+    out_ptr,
+    lse_ptr,
+    logits_ptr,
+    rinv_ptr,
+    M,
+    D,
+    n_q,
+    stride_logits_q,
+    EPS: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid ``(M,)``: one row per program; online softmax over the sources.
 
@@ -92,13 +109,40 @@ def depth_attn_fwd_kernel(
 
 @triton.jit
 def depth_attn_bwd_kernel(
-    src_ptr, src_offsets_ptr, src_strides_ptr, dsrc_ptr, dsrc_offsets_ptr, n_src,
-    dy_ptr, u_ptr, g_ptr, dlse_ptr, logits_ptr, dlogits_ptr, rinv_ptr,
-    prefix_h_ptr, prefix_lse_ptr, dprefix_h_ptr, dprefix_lse_ptr, du_part_ptr, dg_part_ptr,
-    M, D, n_q, stride_logits_q,
-    EPS: tl.constexpr, HAS_OUT_NORM: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_DLSE: tl.constexpr,
-    HAS_DLOGITS: tl.constexpr, ACCUMULATE_DV: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr, ALIGN: tl.constexpr,
+    src_ptr,
+    src_offsets_ptr,
+    src_strides_ptr,
+    dsrc_ptr,
+    dsrc_offsets_ptr,
+    n_src,
+    dy_ptr,
+    u_ptr,
+    g_ptr,
+    dlse_ptr,
+    logits_ptr,
+    dlogits_ptr,
+    rinv_ptr,
+    prefix_h_ptr,
+    prefix_lse_ptr,
+    dprefix_h_ptr,
+    dprefix_lse_ptr,
+    du_part_ptr,
+    dg_part_ptr,
+    M,
+    D,
+    n_q,
+    stride_logits_q,
+    EPS: tl.constexpr,
+    HAS_OUT_NORM: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    HAS_DLOGITS: tl.constexpr,
+    ACCUMULATE_DV: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ACC: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     """Grid ``(cdiv(M, ROWS),)``: all gradients of the read for ``ROWS`` rows.
 
@@ -207,8 +251,9 @@ def depth_attn_bwd_kernel(
                 tl.store(dv_ptrs, dv.to(dsrc_ptr.dtype.element_ty), mask=mask_d)
                 tl.store(du_ptrs, tl.load(du_ptrs, mask=mask_qd, other=0.0) + c1[:, None] * v[None, :], mask=mask_qd)
             if HAS_PREFIX:
-                tl.store(dprefix_h_ptr + row_qd, (alpha_a[:, None] * do).to(dprefix_h_ptr.dtype.element_ty),
-                         mask=mask_qd)
+                tl.store(
+                    dprefix_h_ptr + row_qd, (alpha_a[:, None] * do).to(dprefix_h_ptr.dtype.element_ty), mask=mask_qd
+                )
                 tl.store(dprefix_lse_ptr + row_q, alpha_a * (dp_a - delta + dlse), mask=mask_q)
 
 

@@ -55,8 +55,9 @@ def kernel_config(dim: int, num_queries: int, dtype: torch.dtype) -> KernelConfi
         raise ValueError(f"the Triton depth read supports 1 <= D <= {max_dim(dtype)} for {dtype}, got D = {dim}")
     words = 2 if dtype == torch.float64 else 1
     block_d = max(MIN_BLOCK_D, triton.next_power_of_2(dim))
-    block_q = max(1, min(triton.next_power_of_2(num_queries), MAX_BLOCK_Q // words,
-                         MULTI_SITE_TILE // (block_d * words)))
+    block_q = max(
+        1, min(triton.next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words))
+    )
     num_warps = max(1, min(16, block_q * block_d * words // 512))
     return KernelConfig(block_d, block_q, num_warps)
 
@@ -127,13 +128,30 @@ def depth_attn_fwd(sources, query_key, prefix_out, prefix_lse, out_norm_weight, 
         prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
     for q0, q1 in _site_groups(q, cfg.block_q):
         depth_attn_fwd_kernel[(m,)](
-            rows[0], offsets, strides, n,
-            u[q0:q1], prefix_out[q0:q1] if has_prefix else None, prefix_lse[q0:q1] if has_prefix else None,
+            rows[0],
+            offsets,
+            strides,
+            n,
+            u[q0:q1],
+            prefix_out[q0:q1] if has_prefix else None,
+            prefix_lse[q0:q1] if has_prefix else None,
             g[q0:q1] if g is not None else None,
-            out[q0:q1], lse[q0:q1], logits[q0:q1], rinv,
-            m, dim, q1 - q0, n * m,
-            EPS=eps, HAS_PREFIX=has_prefix, HAS_OUT_NORM=g is not None,
-            BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=_alignment(rows), **cfg.launch_options(),
+            out[q0:q1],
+            lse[q0:q1],
+            logits[q0:q1],
+            rinv,
+            m,
+            dim,
+            q1 - q0,
+            n * m,
+            EPS=eps,
+            HAS_PREFIX=has_prefix,
+            HAS_OUT_NORM=g is not None,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_D=cfg.block_d,
+            ACC=acc_tl,
+            ALIGN=_alignment(rows),
+            **cfg.launch_options(),
         )
     return out, lse, logits, rinv
 
@@ -143,8 +161,19 @@ def _column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
     column_sum_kernel[(triton.cdiv(n_cols, COLUMN_SUM_BLOCK),)](part, out, n_parts, n_cols, BLOCK=COLUMN_SUM_BLOCK)
 
 
-def depth_attn_bwd(grad_out, grad_lse, grad_logits, sources, query_key, prefix_out, prefix_lse, out_norm_weight,
-                   logits, rinv, eps: float):
+def depth_attn_bwd(
+    grad_out,
+    grad_lse,
+    grad_logits,
+    sources,
+    query_key,
+    prefix_out,
+    prefix_lse,
+    out_norm_weight,
+    logits,
+    rinv,
+    eps: float,
+):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     first = sources[0]
     dim = first.shape[-1]
@@ -181,17 +210,40 @@ def depth_attn_bwd(grad_out, grad_lse, grad_logits, sources, query_key, prefix_o
         du_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch)
         dg_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch) if has_norm else None
         depth_attn_bwd_kernel[(n_programs,)](
-            rows[0], offsets, strides, grad_rows[0], grad_offsets, n,
-            dy[q0:q1], u[q0:q1], g[q0:q1] if has_norm else None,
-            dlse[q0:q1] if dlse is not None else None, logits[q0:q1],
-            dlogits[q0:q1] if dlogits is not None else None, rinv,
-            prefix_out[q0:q1] if has_prefix else None, prefix_lse[q0:q1] if has_prefix else None,
-            grad_prefix_out[q0:q1] if has_prefix else None, grad_prefix_lse[q0:q1] if has_prefix else None,
-            du_part, dg_part,
-            m, dim, nq, n * m,
-            EPS=eps, HAS_OUT_NORM=has_norm, HAS_PREFIX=has_prefix, HAS_DLSE=dlse is not None,
-            HAS_DLOGITS=dlogits is not None, ACCUMULATE_DV=group > 0,
-            ROWS=BWD_ROWS, BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=align,
+            rows[0],
+            offsets,
+            strides,
+            grad_rows[0],
+            grad_offsets,
+            n,
+            dy[q0:q1],
+            u[q0:q1],
+            g[q0:q1] if has_norm else None,
+            dlse[q0:q1] if dlse is not None else None,
+            logits[q0:q1],
+            dlogits[q0:q1] if dlogits is not None else None,
+            rinv,
+            prefix_out[q0:q1] if has_prefix else None,
+            prefix_lse[q0:q1] if has_prefix else None,
+            grad_prefix_out[q0:q1] if has_prefix else None,
+            grad_prefix_lse[q0:q1] if has_prefix else None,
+            du_part,
+            dg_part,
+            m,
+            dim,
+            nq,
+            n * m,
+            EPS=eps,
+            HAS_OUT_NORM=has_norm,
+            HAS_PREFIX=has_prefix,
+            HAS_DLSE=dlse is not None,
+            HAS_DLOGITS=dlogits is not None,
+            ACCUMULATE_DV=group > 0,
+            ROWS=BWD_ROWS,
+            BLOCK_Q=cfg.block_q,
+            BLOCK_D=cfg.block_d,
+            ACC=acc_tl,
+            ALIGN=align,
             **cfg.launch_options(),
         )
         _column_sum(du_part, grad_u[q0:q1])

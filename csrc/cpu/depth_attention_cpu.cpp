@@ -300,8 +300,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
         if (g != nullptr) {
           const acc_t mean_sq = dot(aq, aq, D) * scale * scale / static_cast<acc_t>(D);
           scale *= acc_t(1) / std::sqrt(mean_sq + eps);
-          at::vec::map2<acc_t>([scale](auto a, auto w) { return a * w * decltype(a)(scale); }, aq, aq,
-                               g + q * D, D);
+          at::vec::map2<acc_t>([scale](auto a, auto w) { return a * w * decltype(a)(scale); }, aq, aq, g + q * D, D);
         } else {
           at::vec::map<acc_t>([scale](auto a) { return a * decltype(a)(scale); }, aq, aq, D);
         }
@@ -318,9 +317,8 @@ template <typename scalar_t>
 void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
                          const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t,
-                         const at::Tensor& rinv_t, double eps_d,
-                         std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t, at::Tensor& dh_a_t,
-                         at::Tensor& dlse_a_t, at::Tensor& dg_t) {
+                         const at::Tensor& rinv_t, double eps_d, std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t,
+                         at::Tensor& dh_a_t, at::Tensor& dlse_a_t, at::Tensor& dg_t) {
   using acc_t = at::opmath_type<scalar_t>;
   using Vec = Vectorized<acc_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
@@ -388,9 +386,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             at::vec::map2<acc_t>([](auto dyv, auto gv) { return dyv * gv; }, dq, dq, g + q * D, D);
             const acc_t gy_h = dot(dq, hq, D);  // <g ⊙ dy, h>
             const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
-            at::vec::map2<acc_t>(
-                [rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); }, dq, dq,
-                hq, D);
+            at::vec::map2<acc_t>([rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); },
+                                 dq, dq, hq, D);
           }
         }
         // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
@@ -480,8 +477,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
   const auto acc = accumulation_type(dtype);
   const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
   const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
-  at::Tensor g = out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc)
-                                             : at::Tensor();
+  at::Tensor g =
+      out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc) : at::Tensor();
   at::Tensor h_a, lse_a;
   check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
   const int64_t n = static_cast<int64_t>(in.rows.size());
@@ -497,35 +494,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cpu(
-    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse,
-    const c10::optional<at::Tensor>& grad_logits, at::TensorList sources, const at::Tensor& query_key,
-    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits,
-    const at::Tensor& rinv, double eps) {
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
+    at::TensorList sources, const at::Tensor& query_key, const c10::optional<at::Tensor>& prefix_out,
+    const c10::optional<at::Tensor>& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight,
+    const at::Tensor& logits, const at::Tensor& rinv, double eps) {
   const SourceRows in = check_sources(sources);
   const auto dtype = in.rows[0].scalar_type();
   const auto acc = accumulation_type(dtype);
   const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
-  at::Tensor g = out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc)
-                                             : at::Tensor();
+  at::Tensor g =
+      out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc) : at::Tensor();
   at::Tensor h_a, lse_a;
   check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name,
-                "` must be ", at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
+                at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
     return t.contiguous();
   };
   const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with({q}, in.lead_shape, {in.dim}), dtype);
   const at::Tensor logits_c = check_saved(logits, "logits", shape_with({q, n}, in.lead_shape), acc);
   const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
-  const at::Tensor dlse = grad_lse.has_value()
-                              ? check_saved(*grad_lse, "grad_lse", shape_with({q}, in.lead_shape), acc)
-                              : at::Tensor();
-  const at::Tensor dlogits =
-      grad_logits.has_value() ? check_saved(*grad_logits, "grad_logits", shape_with({q, n}, in.lead_shape), acc)
-                              : at::Tensor();
+  const at::Tensor dlse =
+      grad_lse.has_value() ? check_saved(*grad_lse, "grad_lse", shape_with({q}, in.lead_shape), acc) : at::Tensor();
+  const at::Tensor dlogits = grad_logits.has_value()
+                                 ? check_saved(*grad_logits, "grad_logits", shape_with({q, n}, in.lead_shape), acc)
+                                 : at::Tensor();
 
   std::vector<at::Tensor> dsrc;
   dsrc.reserve(n);
@@ -535,8 +530,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, u.options());
   at::Tensor dg = g.defined() ? at::empty_like(g) : at::empty({0}, u.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_bwd_cpu", [&] {
-    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, u, h_a, lse_a, g, logits_c, rinv_c, eps, dsrc, du,
-                                  dh_a, dlse_a, dg);
+    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, u, h_a, lse_a, g, logits_c, rinv_c, eps, dsrc, du, dh_a,
+                                  dlse_a, dg);
   });
   return {dsrc, du, dh_a, dlse_a, dg};
 }

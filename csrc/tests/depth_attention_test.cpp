@@ -24,11 +24,11 @@ Reference reference_read(const std::vector<at::Tensor>& sources, const at::Tenso
   std::vector<at::Tensor> leaves;
   for (const auto& s : sources) leaves.push_back(s.to(at::kDouble).detach().requires_grad_());
   at::Tensor ud = u.to(at::kDouble).detach().requires_grad_();
-  at::Tensor v = at::stack(leaves);                                     // [N, M, D]
-  at::Tensor r = at::rsqrt(v.pow(2).mean(-1) + eps);                    // [N, M]
-  at::Tensor s = at::matmul(v, ud[0]) * r;                              // [N, M]
+  at::Tensor v = at::stack(leaves);                   // [N, M, D]
+  at::Tensor r = at::rsqrt(v.pow(2).mean(-1) + eps);  // [N, M]
+  at::Tensor s = at::matmul(v, ud[0]) * r;            // [N, M]
   at::Tensor alpha = at::softmax(s, 0);
-  at::Tensor h = (alpha.unsqueeze(-1) * v).sum(0);                      // [M, D]
+  at::Tensor h = (alpha.unsqueeze(-1) * v).sum(0);  // [M, D]
   (h * dy.to(at::kDouble)[0]).sum().backward();
   Reference ref{h.detach(), at::logsumexp(s, 0).detach(), ud.grad(), {}};
   for (auto& l : leaves) ref.grad_sources.push_back(l.grad());
@@ -65,8 +65,7 @@ int main() {
 
   auto [out, lse, logits, rinv] = fwd.call(sources, u, std::nullopt, std::nullopt, std::nullopt, eps);
   auto [grad_sources, grad_u, grad_prefix_out, grad_prefix_lse, grad_g] =
-      bwd.call(dy, std::nullopt, std::nullopt, sources, u, std::nullopt, std::nullopt, std::nullopt, logits, rinv,
-               eps);
+      bwd.call(dy, std::nullopt, std::nullopt, sources, u, std::nullopt, std::nullopt, std::nullopt, logits, rinv, eps);
   const Reference ref = reference_read(sources, u, dy, eps);
 
   bool ok = close("out", out[0], ref.out) && close("lse", lse[0], ref.lse) && close("grad_u", grad_u, ref.grad_u);
