@@ -1,11 +1,20 @@
-"""Input checks shared by every backend of the depth read.
+"""Input checks shared by every backend of every op family.
 
 All checks run in Python before any kernel is launched, so a bad call fails
 with a message that names the argument instead of failing inside a kernel.
+
+Mixed precision (DESIGN.md §2.5): the sources of one depth read may have
+different floating dtypes (under ``torch.autocast`` the embedding stays fp32
+while sublayer outputs are bf16/fp16). The read then returns the PyTorch
+promotion of the source dtypes (and of the merge prefix), accumulates in fp32
+(fp64 when that promotion is fp64) and gives each source its gradient in its
+own dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,6 +31,15 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def promoted_dtype(tensors) -> torch.dtype:
+    """PyTorch type promotion over the dtypes of ``tensors`` (Nones skipped)."""
+    dtype = None
+    for t in tensors:
+        if t is not None:
+            dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 @dataclass(frozen=True)
 class DepthReadArgs:
     """A validated depth read: sources as a tuple of ``[..., D]`` tensors and
@@ -33,6 +51,7 @@ class DepthReadArgs:
     norm_weight: Tensor | None
     out_norm_weight: Tensor | None
     multi_query: bool
+    prefix_dtype: torch.dtype | None = None  # dtype of a merge prefix h_a; takes part in the promotion
 
     @property
     def num_queries(self) -> int:
@@ -44,7 +63,14 @@ class DepthReadArgs:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.sources[0].dtype
+        """The output dtype: the promotion of the source dtypes (and of a merge prefix)."""
+        dtype = promoted_dtype(self.sources)
+        return dtype if self.prefix_dtype is None else torch.promote_types(dtype, self.prefix_dtype)
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        """The accumulation dtype: fp64 when the output dtype is fp64, else fp32."""
+        return accumulation_dtype(self.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -53,7 +79,7 @@ class DepthReadArgs:
     def query_key(self) -> Tensor:
         """``u = w ⊙ γ`` in the accumulation dtype, ``[Q, D]``; folded once per
         call so a kernel needs a single dot product per source row."""
-        acc = accumulation_dtype(self.dtype)
+        acc = self.acc_dtype
         u = self.query.to(acc)
         if self.norm_weight is not None:
             u = u * self.norm_weight.to(acc)
@@ -71,8 +97,7 @@ class DepthReadArgs:
         """The fused output-norm weight as a contiguous ``[Q, D]`` accumulation-dtype tensor."""
         if self.out_norm_weight is None:
             return None
-        acc = accumulation_dtype(self.dtype)
-        return self.out_norm_weight.to(acc).expand(self.num_queries, -1).contiguous()
+        return self.out_norm_weight.to(self.acc_dtype).expand(self.num_queries, -1).contiguous()
 
 
 def _as_source_tuple(sources: Sources) -> tuple:
@@ -101,13 +126,12 @@ def _check_sources(sources: tuple) -> None:
     first = sources[0]
     if first.dim() < 1:
         raise ValueError("each source must have shape [..., D] with at least one dimension")
-    if first.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"sources have dtype {first.dtype}; supported: float16, bfloat16, float32, float64")
     if first.shape[-1] == 0:
         raise ValueError("sources have D = 0 (an empty last dimension)")
+    for i, s in enumerate(sources):
+        if s.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"sources[{i}] has dtype {s.dtype}; supported: float16, bfloat16, float32, float64")
     for i, s in enumerate(sources[1:], start=1):
-        if s.dtype != first.dtype:
-            raise TypeError(f"mixed source dtypes: sources[0] is {first.dtype}, sources[{i}] is {s.dtype}")
         if s.device != first.device:
             raise ValueError(f"sources on different devices: sources[0] on {first.device}, sources[{i}] on {s.device}")
         if s.shape != first.shape:
@@ -172,7 +196,9 @@ def check_depth_read(
 
 
 def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) -> tuple:
-    """Checks the ``(h_a, lse_a)`` of a merge and returns them with a leading Q dim."""
+    """Checks the ``(h_a, lse_a)`` of a merge; returns the read's arguments with the
+    prefix's dtype in the promotion, and the prefix with a leading Q dim (``lse_a``
+    in the accumulation dtype)."""
     for name, t in (("prefix_out", prefix_out), ("prefix_lse", prefix_lse)):
         if not isinstance(t, Tensor):
             raise TypeError(f"`{name}` must be a tensor, got {type(t).__name__}")
@@ -183,12 +209,70 @@ def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) ->
     want_out = q_dims + lead + (args.sources[0].shape[-1],)
     if tuple(prefix_out.shape) != want_out:
         raise ValueError(f"`prefix_out` must have shape {want_out}, got {tuple(prefix_out.shape)}")
-    if prefix_out.dtype != args.dtype:
-        raise TypeError(f"`prefix_out` has dtype {prefix_out.dtype} but the sources are {args.dtype}")
+    if prefix_out.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`prefix_out` has dtype {prefix_out.dtype}; supported: float16, bfloat16, float32, float64")
     if tuple(prefix_lse.shape) != q_dims + lead:
         raise ValueError(f"`prefix_lse` must have shape {q_dims + lead}, got {tuple(prefix_lse.shape)}")
     if not prefix_lse.is_floating_point():
         raise TypeError(f"`prefix_lse` must be floating point, got {prefix_lse.dtype}")
+    args = dataclasses.replace(args, prefix_dtype=prefix_out.dtype)
     if not args.multi_query:
         prefix_out, prefix_lse = prefix_out.unsqueeze(0), prefix_lse.unsqueeze(0)
-    return prefix_out, prefix_lse.to(accumulation_dtype(args.dtype))
+    return args, (prefix_out, prefix_lse.to(args.acc_dtype))
+
+
+def check_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float | None) -> float:
+    """Checks the arguments of an attention call (DESIGN.md §2.4); returns the scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"`{name}` must be a tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"`{name}` must be 4-D [B, heads, T, Dh], got shape {tuple(t.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`q` has dtype {q.dtype}; supported: float16, bfloat16, float32, float64")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"`{name}` has dtype {t.dtype} but `q` is {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"`{name}` is on {t.device} but `q` is on {q.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"`k` and `v` must have one shape [B, Hkv, Tk, Dh], got {tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, _, dh = q.shape
+    if k.shape[0] != b or k.shape[3] != dh:
+        raise ValueError(f"`k`/`v` {tuple(k.shape)} do not match `q` {tuple(q.shape)} in batch size or head size")
+    if dh == 0:
+        raise ValueError("head size Dh = 0")
+    if k.shape[1] == 0 or h % k.shape[1] != 0:
+        raise ValueError(f"query heads H = {h} must be a multiple of key/value heads Hkv = {k.shape[1]}")
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+            raise TypeError("`key_padding_mask` must be a bool tensor [B, Tk] (True = a real key)")
+        if tuple(key_padding_mask.shape) != (b, k.shape[2]):
+            raise ValueError(
+                f"`key_padding_mask` must have shape [B, Tk] = {(b, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+            )
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"`key_padding_mask` is on {key_padding_mask.device} but `q` is on {q.device}")
+    if scale is None:
+        return dh**-0.5
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"`scale` must be a positive finite number, got {scale!r}")
+    return float(scale)
+
+
+def check_block_step(partial: Tensor | None, update: Tensor) -> None:
+    """Checks the two addends of a Block residual step (the read itself is checked as a merge)."""
+    if not isinstance(update, Tensor):
+        raise TypeError(f"`update` must be a tensor, got {type(update).__name__}")
+    if update.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`update` has dtype {update.dtype}; supported: float16, bfloat16, float32, float64")
+    if partial is None:
+        return
+    if not isinstance(partial, Tensor):
+        raise TypeError(f"`partial` must be a tensor or None, got {type(partial).__name__}")
+    if partial.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`partial` has dtype {partial.dtype}; supported: float16, bfloat16, float32, float64")
+    if partial.shape != update.shape:
+        raise ValueError(f"`partial` {tuple(partial.shape)} and `update` {tuple(update.shape)} differ in shape")
+    if partial.device != update.device:
+        raise ValueError(f"`partial` is on {partial.device} but `update` is on {update.device}")

@@ -1,16 +1,15 @@
 """The C++ ops of ``attnres_kernels._C`` (CPU now; CUDA when built with nvcc).
 
-Importing this module loads the extension if it was built and registers the
-fake kernels and autograd of ``attnres::depth_attn_fwd``. The package works
+Importing this module loads the extension if it was built. The package works
 without the extension (reference backend only); asking for a native backend
-then raises :class:`BackendUnavailableError` with the reason.
+then raises :class:`~attnres_kernels.ops.BackendUnavailableError` with the reason.
+The fake kernels and autograd of the ops are registered by the op-family
+modules (:mod:`attnres_kernels.ops.depth`, ...).
 """
 
 from __future__ import annotations
 
 import torch
-
-from ._registration import register_depth_attn_ops
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs TORCH_LIBRARY)
@@ -19,35 +18,34 @@ try:
 except ImportError as exc:  # not built, or built against another torch
     LOAD_ERROR = exc
 
-if LOAD_ERROR is None:
-    register_depth_attn_ops(
-        "attnres::depth_attn_fwd", "attnres::depth_attn_bwd", torch.ops.attnres.depth_attn_bwd.default
-    )
-
 
 def available() -> bool:
     return LOAD_ERROR is None
 
 
-# Device types the extension registered depth-read kernels for (read once, so
-# that dispatch stays traceable by torch.compile).
-KERNEL_DEVICE_TYPES = frozenset(
-    device_type
-    for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-    if LOAD_ERROR is None and torch._C._dispatch_has_kernel_for_dispatch_key("attnres::depth_attn_fwd", key)
-)
+def _registered_kernels() -> frozenset:
+    """(op name, device type) of every kernel the extension registered, read once
+    so that dispatch decisions stay traceable by torch.compile."""
+    if LOAD_ERROR is not None:
+        return frozenset()
+    names = [n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("attnres::")]
+    return frozenset(
+        (name, device_type)
+        for name in names
+        for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"attnres::{name}", key)
+    )
 
 
-def has_kernel_for(device_type: str) -> bool:
-    """Whether the extension registered a kernel of the depth read for this device type."""
-    return device_type in KERNEL_DEVICE_TYPES
+KERNELS = _registered_kernels()
+
+
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether the extension registered a ``device_type`` kernel of ``attnres::<op>``."""
+    return (op, device_type) in KERNELS
 
 
 def build_info() -> str:
     if LOAD_ERROR is not None:
         return f"C++ extension not loaded: {LOAD_ERROR}"
     return torch.ops.attnres.build_info()
-
-
-def fwd_op():
-    return torch.ops.attnres.depth_attn_fwd.default

@@ -11,7 +11,9 @@ Each backend provides a pair of ops with one schema:
 ``query_key`` is ``w ⊙ γ`` (``[Q, D]``, accumulation dtype); ``out`` is ``h``
 or, with ``out_norm_weight``, ``rmsnorm(h) * out_norm_weight``. ``lse``,
 ``logits`` and ``rinv`` (the key-norm scale ``r_i``) are in the accumulation
-dtype (fp32; fp64 for fp64 sources).
+dtype (fp32; fp64 when the output dtype is fp64). Sources may differ in dtype:
+``out`` has their promoted dtype (with ``prefix_out``'s), ``grad_out`` has the
+dtype of ``out``, and each source gradient the dtype of its source.
 
 Saved for backward (never a copy of the sources): references to the sources,
 ``query_key``, the prefix and out-norm weight when given, and the fp32/fp64
@@ -25,18 +27,17 @@ from __future__ import annotations
 
 import torch
 
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .._validation import accumulation_dtype, promoted_dtype
 
 
 def fake_fwd(sources, query_key, prefix_out, prefix_lse, out_norm_weight, eps):
     first = sources[0]
     lead, d = first.shape[:-1], first.shape[-1]
     q, n = query_key.shape[0], len(sources)
-    acc = _acc(first.dtype)
+    out_dtype = promoted_dtype([*sources, prefix_out])
+    acc = accumulation_dtype(out_dtype)
     return (
-        first.new_empty((q, *lead, d)),
+        first.new_empty((q, *lead, d), dtype=out_dtype),
         first.new_empty((q, *lead), dtype=acc),
         first.new_empty((q, n, *lead), dtype=acc),
         first.new_empty((n, *lead), dtype=acc),
@@ -76,7 +77,7 @@ def register_depth_attn_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
         query_key, prefix_out, prefix_lse, out_norm_weight, logits, rinv = saved[ctx.num_sources :]
         if grad_out is None:
             first = sources[0]
-            grad_out = first.new_zeros((query_key.shape[0], *first.shape))
+            grad_out = first.new_zeros((query_key.shape[0], *first.shape), dtype=promoted_dtype([*sources, prefix_out]))
         grad_sources, grad_qk, grad_prefix_out, grad_prefix_lse, grad_g = bwd_op(
             grad_out,
             grad_lse,

@@ -1,12 +1,13 @@
-"""Plain-PyTorch oracles: the depth read, its merge, causal attention, and the three models."""
+"""Plain-PyTorch oracles: the depth read, its merge, attention, the Block step, and the three models."""
 
 from .models import BlockAttnResTransformer, FullAttnResTransformer, StandardTransformer
-from .ops import causal_attention, depth_attention, depth_attention_merge
+from .ops import attention, block_step, depth_attention, depth_attention_merge
 
 __all__ = [
     "depth_attention",
     "depth_attention_merge",
-    "causal_attention",
+    "attention",
+    "block_step",
     "StandardTransformer",
     "FullAttnResTransformer",
     "BlockAttnResTransformer",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .ops import causal_attention, depth_attention
+from .ops import attention, depth_attention
 
 
 class RMSNorm(nn.Module):
@@ -42,7 +42,7 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return causal_attention(q, k, v)
+        return attention(q, k, v, causal=True)
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape

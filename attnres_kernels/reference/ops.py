@@ -1,18 +1,25 @@
-"""Plain-PyTorch oracles for the depth read (DESIGN.md §2.1) and causal attention (§2.4).
+"""Plain-PyTorch oracles: the depth read and its merge (DESIGN.md §2.1), attention (§2.4)
+and the Block residual step (§2.3).
 
-Written for reading, not for speed: every source is stacked, upcast to the
-accumulation dtype (fp32, or fp64 for fp64 inputs) and pushed through the
+Written for reading, not for speed: every source is upcast to the
+accumulation dtype (fp32, or fp64 when the promoted input dtype is fp64),
+stacked, and pushed through the
 formulas exactly as the design states them. Autograd provides the backward.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from .._validation import Sources, accumulation_dtype, check_depth_read, check_prefix
+from .._validation import (
+    Sources,
+    accumulation_dtype,
+    check_attention,
+    check_block_step,
+    check_depth_read,
+    check_prefix,
+)
 
 
 def _rms_normalize(x: Tensor, eps: float) -> Tensor:
@@ -63,8 +70,8 @@ def depth_attention(
         ``lse`` and ``weights`` when asked for, in that order.
     """
     args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    acc = accumulation_dtype(args.dtype)
-    v = torch.stack(args.sources).to(acc)  # [N, ..., D]
+    acc = args.acc_dtype
+    v = torch.stack([s.to(acc) for s in args.sources])  # [N, ..., D]
     s = _logits(args.query_key(), v, eps)  # [Q, N, ...]
     weights = torch.softmax(s, dim=1)
     h = torch.einsum("qn...,n...d->q...d", weights, v)
@@ -90,9 +97,9 @@ def depth_attention_merge(
     ``prefix_out`` must be the un-normalized ``h_a`` (not a fused-output-norm result).
     """
     args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    h_a, lse_a = check_prefix(args, prefix_out, prefix_lse)
-    acc = accumulation_dtype(args.dtype)
-    v = torch.stack(args.sources).to(acc)
+    args, (h_a, lse_a) = check_prefix(args, prefix_out, prefix_lse)
+    acc = args.acc_dtype
+    v = torch.stack([s.to(acc) for s in args.sources])
     s_b = _logits(args.query_key(), v, eps)  # [Q, N_b, ...]
     all_logits = torch.cat([lse_a.unsqueeze(1), s_b], dim=1)
     m = all_logits.amax(dim=1, keepdim=True)
@@ -104,17 +111,96 @@ def depth_attention_merge(
     return _finish(h, lse, None, args, eps, args.dtype, return_lse, False)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """``softmax(q kᵀ · scale + causal mask) v`` for ``[B, H, T, Dh]`` inputs, computed in fp32/fp64."""
-    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
-        raise ValueError(
-            f"q, k, v must share one [B, H, T, Dh] shape, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    key_padding_mask: Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """``softmax(q kᵀ · scale + mask) v`` (DESIGN.md §2.4), computed in fp32 (fp64 for fp64 inputs).
+
+    Args:
+        q: ``[B, H, Tq, Dh]``; k, v: ``[B, Hkv, Tk, Dh]`` with ``H % Hkv == 0``
+            (grouped-query attention: query head h reads key/value head ``h // (H // Hkv)``).
+        causal: query i sees keys ``j <= i + Tk - Tq`` (aligned to the bottom right,
+            as FlashAttention does, so a chunk of the last Tq queries can attend
+            to a longer cache).
+        key_padding_mask: bool ``[B, Tk]``, True for a real key, False for padding;
+            combines with ``causal``.
+        scale: logit scale, default ``1 / sqrt(Dh)``.
+        return_lse: also return ``lse = logsumexp_j(s_j)`` over the visible keys,
+            ``[B, H, Tq]`` in the accumulation dtype.
+
+    A query row that sees no key gets output 0, ``lse = -inf`` and zero gradients.
+    """
+    scale = check_attention(q, k, v, key_padding_mask, scale)
     acc = accumulation_dtype(q.dtype)
-    scores = torch.einsum("bhtd,bhsd->bhts", q.to(acc), k.to(acc)) * scale
-    t = q.shape[-2]
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    return torch.einsum("bhts,bhsd->bhtd", probs, v.to(acc)).to(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    kf = k.to(acc).repeat_interleave(group, dim=1)
+    vf = v.to(acc).repeat_interleave(group, dim=1)
+    scores = torch.einsum("bhtd,bhsd->bhts", q.to(acc), kf) * scale
+    visible = attention_mask(q.shape[2], k.shape[2], causal, key_padding_mask, q.device)  # [B or 1, 1, Tq, Tk]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # Rows that see no key are normalized against 0 instead of -inf: their
+    # probabilities are then exp(-inf) = 0 with finite gradients everywhere.
+    has_key = visible.any(-1)
+    lse = torch.logsumexp(torch.where(has_key.unsqueeze(-1), scores, 0.0), dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    out = torch.einsum("bhts,bhsd->bhtd", probs, vf).to(q.dtype)
+    if not return_lse:
+        return out
+    return out, lse.masked_fill(~has_key, float("-inf"))
+
+
+def attention_mask(tq: int, tk: int, causal: bool, key_padding_mask: Tensor | None, device) -> Tensor:
+    """Bool ``[B or 1, 1, Tq, Tk]``: True where query i may attend to key j."""
+    visible = torch.ones(1, 1, tq, tk, dtype=torch.bool, device=device)
+    if causal:
+        i = torch.arange(tq, device=device).unsqueeze(1)
+        j = torch.arange(tk, device=device).unsqueeze(0)
+        visible = visible & (j <= i + (tk - tq))
+    if key_padding_mask is not None:
+        visible = visible & key_padding_mask[:, None, None, :]
+    return visible
+
+
+def block_step(
+    partial: Tensor | None,
+    update: Tensor,
+    query: Tensor,
+    prefix_out: Tensor,
+    prefix_lse: Tensor,
+    norm_weight: Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: Tensor | None = None,
+    return_lse: bool = False,
+):
+    """One residual step of two-phase Block AttnRes (DESIGN.md §2.3, phase 2).
+
+    ``new_partial = partial + update`` (``update`` alone when ``partial`` is None:
+    the first sublayer output of a block), then the next site's read: the
+    merge of its phase-1 read over the committed blocks ``(prefix_out, prefix_lse)``
+    with the one source ``new_partial``, optionally followed by the sublayer's
+    PreNorm ``rmsnorm(h) * out_norm_weight``. ``query``/``norm_weight`` are the
+    next site's ``w``/``γ`` (``[D]``).
+
+    Returns ``(new_partial, out)`` or, with ``return_lse``, ``(new_partial, out, lse)``.
+    """
+    check_block_step(partial, update)
+    new_partial = update if partial is None else partial + update
+    result = depth_attention_merge(
+        query,
+        prefix_out,
+        prefix_lse,
+        [new_partial],
+        norm_weight,
+        eps=eps,
+        out_norm_weight=out_norm_weight,
+        return_lse=return_lse,
+    )
+    return (new_partial, *result) if return_lse else (new_partial, result)

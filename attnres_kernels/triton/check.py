@@ -2,9 +2,9 @@
 
     python -m attnres_kernels.triton.check [--arch 80 90] [--dtype bfloat16 float32 float64]
 
-For each kernel × each tile/warp configuration the dispatcher can select
-(:func:`attnres_kernels.triton.launch.all_kernel_configs`) × source dtype ×
-architecture, compiles the kernel with Triton for a ``GPUTarget`` (feature
+For each launch an op family's ``aot_launches(dtype)`` lists (every kernel ×
+tile/warp configuration its dispatcher can select, see :data:`AOT_FAMILIES`)
+× dtype × architecture, compiles the kernel with Triton for a ``GPUTarget`` (feature
 flags at their most register-hungry setting), runs ``ptxas -v`` on the PTX and
 prints registers, spill bytes and shared memory. Exits non-zero on any
 compile failure or spill.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import os
 import re
 import shutil
@@ -29,76 +30,20 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("run the AOT check in a fresh process without TRITON_INTERPRET=1")
 
 import torch
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
-from triton.runtime.jit import MockTensor, create_function_from_signature
+from triton.runtime.jit import create_function_from_signature
 
-from . import kernels
-from .launch import BWD_ROWS, COLUMN_SUM_BLOCK, all_kernel_configs
+# Modules whose ``aot_launches(dtype)`` lists every launch (an :class:`AotLaunch`
+# per kernel × configuration the dispatcher can choose) of one op family.
+AOT_FAMILIES = ("attnres_kernels.triton.launch",)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 PTXAS_LINE = re.compile(r"Used (\d+) registers")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 SMEM = re.compile(r"(\d+) bytes smem")
 PTX_TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.MULTILINE)
-
-
-def _launches(cfg, dtype):
-    """(name, kernel, args, constexprs) for one configuration: realistic
-    pointer/int arguments, every optional feature switched on."""
-    acc_torch = torch.float64 if dtype == torch.float64 else torch.float32
-    acc_tl = tl.float64 if dtype == torch.float64 else tl.float32
-    src, acc, table = MockTensor(dtype), MockTensor(acc_torch), MockTensor(torch.int64)
-    tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=16 // src.dtype.itemsize)
-    m, d, n, nq = 4096, 1024, 9, 2
-    yield (
-        "depth_attn_fwd",
-        kernels.depth_attn_fwd_kernel,
-        [src, table, table, n, acc, src, acc, acc, src, acc, acc, acc, m, d, nq, n * m],
-        dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile),
-    )
-    for out_norm in (True, False):
-        yield (
-            f"depth_attn_bwd[out_norm={int(out_norm)}]",
-            kernels.depth_attn_bwd_kernel,
-            [
-                src,
-                table,
-                table,
-                src,
-                table,
-                n,
-                src,
-                acc,
-                acc,
-                acc,
-                acc,
-                acc,
-                acc,
-                src,
-                acc,
-                src,
-                acc,
-                acc,
-                acc,
-                m,
-                d,
-                nq,
-                n * m,
-            ],
-            dict(
-                EPS=1e-6,
-                HAS_OUT_NORM=out_norm,
-                HAS_PREFIX=True,
-                HAS_DLSE=True,
-                HAS_DLOGITS=True,
-                ACCUMULATE_DV=True,
-                ROWS=BWD_ROWS,
-                **tile,
-            ),
-        )
 
 
 def _compile_ptx(kernel, args, constexprs, launch_options, arch):
@@ -134,21 +79,50 @@ def _ptxas(ptx: str, ptxas: str):
 
 def _check_one(job):
     """Compiles and assembles one (kernel, configuration, dtype, arch); returns its report line and status."""
-    name, cfg, dtype_name, arch, ptxas = job
-    if cfg is None:
-        kernel = kernels.column_sum_kernel
-        kargs = [MockTensor(torch.float32)] * 2 + [64, 4096]
-        constexprs = dict(BLOCK=COLUMN_SUM_BLOCK)
-        options, shape = dict(num_warps=4), (COLUMN_SUM_BLOCK, 1, 4)
-    else:
-        _, kernel, kargs, constexprs = next(x for x in _launches(cfg, DTYPES[dtype_name]) if x[0] == name)
-        options, shape = cfg.launch_options(), (cfg.block_d, cfg.block_q, cfg.num_warps)
-    line = f"{name:28s} {dtype_name:9s} {shape[0]:7d} {shape[1]:7d} {shape[2]:5d} {'sm_' + str(arch):>6s}"
+    module_name, name, config, dtype_name, arch, ptxas = job
+    launch = next(
+        x
+        for x in importlib.import_module(module_name).aot_launches(DTYPES[dtype_name])
+        if (x.name, x.config) == (name, config)
+    )
+    line = format_line("triton", name, dtype_name, config, arch)
     try:
-        regs, spill, smem = _ptxas(_compile_ptx(kernel, kargs, constexprs, options, arch), ptxas)
+        ptx = _compile_ptx(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
+        regs, spill, smem = _ptxas(ptx, ptxas)
     except Exception as exc:  # every failure is reported, then fails the run
         return f"{line} FAILED: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", False
     return f"{line} {regs:5d} {spill:7d} {smem:7d}{'' if spill == 0 else '  SPILLS'}", spill == 0
+
+
+HEADER = " ".join(
+    [
+        f"{'backend':7s} {'kernel':30s} {'dtype':9s} {'config':34s}",
+        f"{'arch':>6s} {'regs':>5s} {'spill B':>7s} {'smem B':>7s}",
+    ]
+)
+
+
+def format_line(backend: str, kernel: str, dtype_name: str, config: str, arch: int) -> str:
+    """The first columns of a report line (the check of every backend prints the same columns)."""
+    return f"{backend:7s} {kernel:30s} {dtype_name:9s} {config:34s} {'sm_' + str(arch):>6s}"
+
+
+def run(archs, dtype_names, ptxas: str, max_workers: int, emit=print) -> tuple:
+    """Compiles every launch of every family for ``archs`` × ``dtype_names``; calls
+    ``emit`` with each report line; returns (number of jobs, number failing)."""
+    jobs = [
+        (module_name, launch.name, launch.config, dtype_name, arch, ptxas)
+        for module_name in AOT_FAMILIES
+        for dtype_name in dtype_names
+        for launch in importlib.import_module(module_name).aot_launches(DTYPES[dtype_name])
+        for arch in archs
+    ]
+    failures = 0
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, max_workers)) as pool:
+        for line, ok in pool.map(_check_one, jobs):
+            failures += not ok
+            emit(line)
+    return len(jobs), failures
 
 
 def _default_ptxas():
@@ -173,25 +147,10 @@ def main(argv=None) -> int:
         print("ptxas not found (install the CUDA toolkit or pass --ptxas)", file=sys.stderr)
         return 2
     start = time.time()
-    jobs = [
-        (name, cfg, dtype_name, arch, args.ptxas)
-        for dtype_name in args.dtype
-        for cfg in all_kernel_configs(DTYPES[dtype_name])
-        for name, *_ in _launches(cfg, DTYPES[dtype_name])
-        for arch in args.arch
-    ]
-    jobs += [("column_sum", None, "float32", arch, args.ptxas) for arch in args.arch]
+    print(HEADER)
+    count, failures = run(args.arch, args.dtype, args.ptxas, args.jobs, emit=lambda line: print(line, flush=True))
     print(
-        f"{'kernel':28s} {'dtype':9s} {'BLOCK_D':>7s} {'BLOCK_Q':>7s} {'warps':>5s} {'arch':>6s} "
-        f"{'regs':>5s} {'spill B':>7s} {'smem B':>7s}"
-    )
-    failures = 0
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for line, ok in pool.map(_check_one, jobs):
-            failures += not ok
-            print(line, flush=True)
-    print(
-        f"{'FAILED' if failures else 'OK'}: {len(jobs)} kernel configurations compiled for "
+        f"{'FAILED' if failures else 'OK'}: {count} Triton kernel configurations compiled for "
         f"{', '.join('sm_' + str(a) for a in args.arch)}, {failures} failing, {time.time() - start:.0f} s"
     )
     return 1 if failures else 0

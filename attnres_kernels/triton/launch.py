@@ -10,10 +10,12 @@ choices (:func:`kernel_config`) are exactly what
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import MockTensor
 
 from . import max_dim
 from .kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
@@ -69,6 +71,98 @@ def all_kernel_configs(dtype: torch.dtype) -> list:
         for exp_q in range(MAX_BLOCK_Q.bit_length()):
             configs.add(kernel_config(1 << exp_d, 1 << exp_q, dtype))
     return sorted(configs, key=lambda c: (c.block_d, c.block_q))
+
+
+class AotLaunch(NamedTuple):
+    """One kernel launch for the ahead-of-time check: the JIT function, its
+    arguments (``MockTensor`` for pointers), constexprs and launch options."""
+
+    name: str
+    config: str
+    kernel: object
+    args: list
+    constexprs: dict
+    options: dict
+
+
+def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
+    """The launches of one configuration: realistic pointer/int arguments,
+    every optional feature switched on."""
+    acc_torch = torch.float64 if dtype == torch.float64 else torch.float32
+    acc_tl = tl.float64 if dtype == torch.float64 else tl.float32
+    src, acc, table = MockTensor(dtype), MockTensor(acc_torch), MockTensor(torch.int64)
+    tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=16 // src.dtype.itemsize)
+    m, d, n, nq = 4096, 1024, 9, 2
+    label = f"BLOCK_D={cfg.block_d} BLOCK_Q={cfg.block_q} warps={cfg.num_warps}"
+    yield AotLaunch(
+        "depth_attn_fwd",
+        label,
+        depth_attn_fwd_kernel,
+        [src, table, table, n, acc, src, acc, acc, src, acc, acc, acc, m, d, nq, n * m],
+        dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile),
+        cfg.launch_options(),
+    )
+    for out_norm in (True, False):
+        yield AotLaunch(
+            f"depth_attn_bwd[out_norm={int(out_norm)}]",
+            label,
+            depth_attn_bwd_kernel,
+            [
+                src,
+                table,
+                table,
+                src,
+                table,
+                n,
+                src,
+                acc,
+                acc,
+                acc,
+                acc,
+                acc,
+                acc,
+                src,
+                acc,
+                src,
+                acc,
+                acc,
+                acc,
+                m,
+                d,
+                nq,
+                n * m,
+            ],
+            dict(
+                EPS=1e-6,
+                HAS_OUT_NORM=out_norm,
+                HAS_PREFIX=True,
+                HAS_DLSE=True,
+                HAS_DLOGITS=True,
+                ACCUMULATE_DV=True,
+                ROWS=BWD_ROWS,
+                **tile,
+            ),
+            cfg.launch_options(),
+        )
+
+
+def aot_launches(dtype: torch.dtype) -> list:
+    """Every launch the dispatcher can make for ``dtype`` sources, for the ahead-of-time
+    check (:mod:`attnres_kernels.triton.check`)."""
+    launches = [launch for cfg in all_kernel_configs(dtype) for launch in _config_launches(cfg, dtype)]
+    if dtype == torch.float32:  # the partials of the row reductions are fp32/fp64 whatever the sources
+        part = MockTensor(torch.float32)
+        launches.append(
+            AotLaunch(
+                "column_sum",
+                f"BLOCK={COLUMN_SUM_BLOCK} warps=4",
+                column_sum_kernel,
+                [part, part, 64, 4096],
+                dict(BLOCK=COLUMN_SUM_BLOCK),
+                dict(num_warps=4),
+            )
+        )
+    return launches
 
 
 def _acc_dtypes(dtype: torch.dtype):
