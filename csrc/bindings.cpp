@@ -2,7 +2,7 @@
 //
 // The schemas live here, the kernels in csrc/cpu (and later csrc/cuda) register
 // implementations with TORCH_LIBRARY_IMPL. Fake (meta) kernels and autograd are
-// registered from Python (attnres_kernels/ops/_native.py).
+// registered from Python (attnres_kernels/ops/_registration.py).
 #include <torch/library.h>
 
 #include <string>
@@ -16,17 +16,19 @@ std::string build_info() { return std::string("attnres_kernels C++ ops; CPU vect
 TORCH_LIBRARY(attnres, m) {
   m.def("build_info() -> str", &build_info);
   // One depth read of Q sites over N sources, optionally merged into a prefix
-  // read (h_a, lse_a) and followed by a fused output RMSNorm.
-  // Returns (out [Q, ..., D], lse [Q, ...], logits [Q, N, ...], rinv [N, ...]).
+  // read (h_a, lse_a) and followed by a fused output RMSNorm. `query` is [D]
+  // (one site) or [Q, D]; `norm_weight` / `out_norm_weight` are [D] (shared by
+  // the sites) or [Q, D]. Returns (out [Q?, ..., D], lse [Q?, ...], logits
+  // [Q?, N, ...], rinv [N, ...]); the site dim Q? is present for a [Q, D] query.
   m.def(
-      "depth_attn_fwd(Tensor[] sources, Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, "
+      "depth_attn_fwd(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
       "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Returns (grad_sources, grad_query_key, grad_prefix_out, grad_prefix_lse,
-  // grad_out_norm_weight); absent optional inputs get empty gradients.
+  // Returns (grad_sources, grad_query, grad_norm_weight, grad_prefix_out,
+  // grad_prefix_lse, grad_out_norm_weight); absent optional inputs get empty gradients.
   m.def(
-      "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, "
-      "Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
-      "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor)");
+      "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
+      "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
+      "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 }  // namespace attnres

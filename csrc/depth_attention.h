@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__linux__)
@@ -55,14 +57,79 @@ inline SourceRows check_sources(const at::TensorList sources) {
   return out;
 }
 
-// Checks a [Q, D] per-site tensor in the accumulation dtype and returns it contiguous.
-inline at::Tensor check_site_param(const at::Tensor& t, const char* name, int64_t q, const SourceRows& src,
-                                   at::ScalarType acc) {
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == q && t.size(1) == src.dim, "depth attention: `", name,
-              "` must be [Q, D] = [", q, ", ", src.dim, "], got ", t.sizes());
-  TORCH_CHECK(t.scalar_type() == acc, "depth attention: `", name, "` must be ", acc, ", got ", t.scalar_type());
-  TORCH_CHECK(t.device() == src.rows[0].device(), "depth attention: `", name, "` is on another device");
-  return t.contiguous();
+// The per-site parameters of one call, in the accumulation dtype. `query` is
+// [D] (one site: outputs have no site dim) or [Q, D]; `norm_weight` and
+// `out_norm_weight` are [D] (shared by every site) or [Q, D]. The kernels see
+// u = query ⊙ norm_weight and g = out_norm_weight as contiguous [Q, D].
+struct SiteParams {
+  at::Tensor u;                 // [Q, D]
+  at::Tensor g;                 // [Q, D], undefined without the fused output norm
+  int64_t num_sites = 1;        // Q
+  std::vector<int64_t> q_dims;  // {} for a [D] query, {Q} for a [Q, D] query: the outputs' leading dims
+};
+
+inline void check_site_param(const at::Tensor& t, const char* name, int64_t q, bool site_dim, int64_t dim,
+                             const at::Device& device) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "depth attention: `", name, "` must be floating point, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == device, "depth attention: `", name, "` is on ", t.device(), ", the sources on ", device);
+  const bool shared = t.dim() == 1 && t.size(0) == dim;
+  const bool per_site = site_dim && t.dim() == 2 && t.size(0) == q && t.size(1) == dim;
+  TORCH_CHECK(shared || per_site, "depth attention: `", name, "` must be [D]", site_dim ? " or [Q, D]" : "",
+              " with D = ", dim, site_dim ? " and Q = " + std::to_string(q) : std::string(), ", got ", t.sizes());
+}
+
+inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+                                    const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
+                                    at::ScalarType acc) {
+  const auto device = src.rows[0].device();
+  TORCH_CHECK(query.dim() == 1 || query.dim() == 2, "depth attention: `query` must be [D] or [Q, D], got ",
+              query.sizes());
+  SiteParams p;
+  const bool site_dim = query.dim() == 2;
+  p.num_sites = site_dim ? query.size(0) : 1;
+  TORCH_CHECK(p.num_sites > 0, "depth attention: `query` has Q = 0 sites");
+  if (site_dim) p.q_dims = {p.num_sites};
+  check_site_param(query, "query", p.num_sites, site_dim, src.dim, device);
+  const std::vector<int64_t> qd = {p.num_sites, src.dim};
+  p.u = query.to(acc).expand(qd);
+  if (norm_weight.has_value()) {
+    check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, src.dim, device);
+    p.u = p.u * norm_weight->to(acc);
+  }
+  p.u = p.u.contiguous();
+  if (out_norm_weight.has_value()) {
+    check_site_param(*out_norm_weight, "out_norm_weight", p.num_sites, site_dim, src.dim, device);
+    p.g = out_norm_weight->to(acc).expand(qd).contiguous();
+  }
+  return p;
+}
+
+// Sums a [Q, D] gradient down to the shape of the parameter it belongs to
+// ([D] when the parameter is shared by the Q sites) and casts it to its dtype.
+inline at::Tensor reduce_to_param(const at::Tensor& grad, const at::Tensor& param) {
+  at::Tensor g = param.dim() == 1 ? grad.sum(0) : grad;
+  return g.to(param.scalar_type());
+}
+
+// Gradients of query, norm_weight and out_norm_weight from those of u = query ⊙
+// norm_weight ([Q, D]) and of the output-norm weight g ([Q, D]); absent
+// parameters get empty tensors.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads(
+    const at::Tensor& du, const at::Tensor& dg, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& out_norm_weight) {
+  const auto acc = du.scalar_type();
+  const auto empty = at::empty({0}, du.options());
+  at::Tensor d_query, d_norm;
+  if (norm_weight.has_value()) {
+    d_query = reduce_to_param(du * norm_weight->to(acc), query);
+    d_norm = reduce_to_param(du * query.to(acc), *norm_weight);
+  } else {
+    d_query = reduce_to_param(du, query);
+    d_norm = empty;
+  }
+  at::Tensor d_g = out_norm_weight.has_value() ? reduce_to_param(dg, *out_norm_weight) : empty;
+  return {d_query, d_norm, d_g};
 }
 
 // at::empty for a large output that is about to be written in full. On Linux
@@ -87,26 +154,28 @@ inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& o
 }
 
 // Shape [leading..., *lead_shape, tail...].
-inline std::vector<int64_t> shape_with(std::initializer_list<int64_t> leading, at::IntArrayRef lead_shape,
+inline std::vector<int64_t> shape_with(std::vector<int64_t> leading, at::IntArrayRef lead_shape,
                                        std::initializer_list<int64_t> tail = {}) {
-  std::vector<int64_t> shape(leading);
+  std::vector<int64_t> shape(std::move(leading));
   shape.insert(shape.end(), lead_shape.begin(), lead_shape.end());
   shape.insert(shape.end(), tail.begin(), tail.end());
   return shape;
 }
 
-// The prefix (h_a [Q, ..., D], lse_a [Q, ...]) of a merge, as contiguous tensors.
+// The prefix (h_a [Q?, ..., D], lse_a [Q?, ...]; Q present when the query is [Q, D])
+// of a merge, as contiguous tensors.
 inline void check_prefix(const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-                         int64_t q, const SourceRows& src, at::Tensor& h_a, at::Tensor& lse_a) {
+                         const std::vector<int64_t>& q_dims, const SourceRows& src, at::Tensor& h_a,
+                         at::Tensor& lse_a) {
   TORCH_CHECK(prefix_out.has_value() == prefix_lse.has_value(),
               "depth attention: prefix_out and prefix_lse must be given together");
   if (!prefix_out.has_value()) return;
   const auto dtype = src.rows[0].scalar_type();
-  TORCH_CHECK(prefix_out->sizes() == at::IntArrayRef(shape_with({q}, src.lead_shape, {src.dim})),
-              "depth attention: prefix_out must be [Q, ..., D], got ", prefix_out->sizes());
+  TORCH_CHECK(prefix_out->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape, {src.dim})),
+              "depth attention: prefix_out must be [Q?, ..., D] like the output, got ", prefix_out->sizes());
   TORCH_CHECK(prefix_out->scalar_type() == dtype, "depth attention: prefix_out dtype differs from the sources");
-  TORCH_CHECK(prefix_lse->sizes() == at::IntArrayRef(shape_with({q}, src.lead_shape)),
-              "depth attention: prefix_lse must be [Q, ...], got ", prefix_lse->sizes());
+  TORCH_CHECK(prefix_lse->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape)),
+              "depth attention: prefix_lse must be [Q?, ...] like lse, got ", prefix_lse->sizes());
   TORCH_CHECK(prefix_lse->scalar_type() == accumulation_type(dtype),
               "depth attention: prefix_lse must be in the accumulation dtype");
   h_a = prefix_out->contiguous();

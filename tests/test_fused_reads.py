@@ -230,16 +230,21 @@ def test_empty_leading_dims(backend):
 
 
 def _op_samples(q=2, d=6, rows=(3, 2), n=3):
+    """Argument tuples of ``depth_attn_fwd``: [Q, D] and [D] queries, shared and
+    per-site weights, with and without prefix, grads required or not."""
     sources = [torch.randn(*rows, d, requires_grad=True) for _ in range(n)]
-    u = torch.randn(q, d, requires_grad=True)
-    g = torch.rand(q, d, requires_grad=True)
+    w = torch.randn(q, d, requires_grad=True)
+    gamma = torch.rand(q, d, requires_grad=True)
+    g = torch.rand(d, requires_grad=True)
     h_a = torch.randn(q, *rows, d, requires_grad=True)
     lse_a = torch.randn(q, *rows, requires_grad=True)
+    w1, h_a1, lse_a1 = w[0].detach().requires_grad_(), h_a[0].detach(), lse_a[0].detach()
     return [
-        (sources, u, None, None, None, 1e-6),
-        (sources, u, None, None, g, 1e-5),
-        (sources, u, h_a, lse_a, g, 1e-6),
-        ([s.detach() for s in sources], u.detach(), h_a.detach(), lse_a.detach(), None, 1e-6),
+        (sources, w, None, None, None, None, 1e-6),
+        (sources, w, gamma, None, None, g, 1e-5),
+        (sources, w, g, h_a, lse_a, gamma, 1e-6),
+        (sources, w1, g, h_a1, lse_a1, g, 1e-6),
+        ([s.detach() for s in sources], w.detach(), None, h_a.detach(), lse_a.detach(), None, 1e-6),
     ]
 
 

@@ -3,10 +3,11 @@ output has the promoted dtype, and each source gets its gradient in its own dtyp
 
 import pytest
 import torch
-from support import assert_close_to_oracle, read_with_grads, site_params
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+
+from support import assert_close_to_oracle, read_with_grads, site_params
 
 FUSED = [b for b in ak.available_backends("cpu", 64) if b != "reference"]
 BACKENDS = ["reference", *FUSED]

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validation import DepthReadArgs, Sources, check_depth_read, check_prefix
+from .._validation import Sources, check_depth_read, check_prefix
 from . import _dispatch, _native
 from ._registration import register_depth_attn_ops
 
@@ -48,15 +48,17 @@ def available_backends(device: torch.device | str = "cpu", dim: int = 1, dtype: 
     ]
 
 
-def _run_fused(backend: str, args: DepthReadArgs, eps: float, prefix, return_lse: bool, return_weights: bool):
+def _run_fused(backend, sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, return_weights):
     prefix_out, prefix_lse = prefix
     out, lse, logits, _ = _dispatch.fused_op(backend, "depth_attn_fwd")(
-        list(args.sources), args.query_key(), prefix_out, prefix_lse, args.out_norm_weight_acc(), float(eps)
+        list(sources), query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
     )
-    # The weights are the softmax of the saved logits (not exp(logits - lse)): exact
-    # to an ulp, and their backward is the plain softmax backward.
-    weights = torch.softmax(logits, dim=1) if return_weights else None
-    return args.pack_outputs(out, lse, weights, return_lse, return_weights)
+    outputs = [out] + ([lse] if return_lse else [])
+    if return_weights:
+        # The weights are the softmax of the saved logits (not exp(logits - lse)): exact
+        # to an ulp, and their backward is the plain softmax backward.
+        outputs.append(torch.softmax(logits, dim=query.dim() - 1))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
 def depth_attention(
@@ -89,7 +91,9 @@ def depth_attention(
             return_lse=return_lse,
             return_weights=return_weights,
         )
-    return _run_fused(chosen, args, eps, (None, None), return_lse, return_weights)
+    return _run_fused(
+        chosen, args.sources, query, norm_weight, (None, None), out_norm_weight, eps, return_lse, return_weights
+    )
 
 
 def depth_attention_merge(
@@ -110,7 +114,7 @@ def depth_attention_merge(
     :func:`attnres_kernels.reference.depth_attention_merge`.
     """
     args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    args, prefix = check_prefix(args, prefix_out, prefix_lse)
+    args, _ = check_prefix(args, prefix_out, prefix_lse)
     chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
     if chosen == "reference":
         return reference.depth_attention_merge(
@@ -123,4 +127,5 @@ def depth_attention_merge(
             out_norm_weight=out_norm_weight,
             return_lse=return_lse,
         )
-    return _run_fused(chosen, args, eps, prefix, return_lse, False)
+    prefix = (prefix_out, prefix_lse.to(args.acc_dtype))
+    return _run_fused(chosen, args.sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, False)

@@ -199,27 +199,48 @@ def _site_groups(num_queries: int, block_q: int):
     return [(q, min(num_queries, q + block_q)) for q in range(0, num_queries, block_q)]
 
 
-def depth_attn_fwd(sources, query_key, prefix_out, prefix_lse, out_norm_weight, eps: float):
+def _site_params(query, norm_weight, out_norm_weight, acc: torch.dtype):
+    """``u = query ⊙ norm_weight`` and the output-norm weight as contiguous ``[Q, D]``
+    accumulation-dtype tensors (``[D]`` parameters are shared by the Q sites)."""
+    shape = (query.shape[0] if query.dim() == 2 else 1, query.shape[-1])
+    u = query.to(acc).expand(shape)
+    if norm_weight is not None:
+        u = u * norm_weight.to(acc)
+    g = out_norm_weight.to(acc).expand(shape).contiguous() if out_norm_weight is not None else None
+    return u.contiguous(), g
+
+
+def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A ``[Q, D]`` gradient summed to the parameter's shape and cast to its dtype."""
+    return (grad.sum(0) if param.dim() == 1 else grad).to(param.dtype)
+
+
+def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps: float):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     first = sources[0]
     dim, lead = first.shape[-1], first.shape[:-1]
     rows = [_rows(s, dim) for s in sources]
-    m, n, q = rows[0].shape[0], len(rows), query_key.shape[0]
     acc_torch, acc_tl = _acc_dtypes(first.dtype)
+    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
+    m, n, q = rows[0].shape[0], len(rows), u.shape[0]
+    q_dims = tuple(query.shape[:-1])
     cfg = kernel_config(dim, q, first.dtype)
-    out = first.new_empty((q, *lead, dim))
-    lse = first.new_empty((q, *lead), dtype=acc_torch)
-    logits = first.new_empty((q, n, *lead), dtype=acc_torch)
-    rinv = first.new_empty((n, *lead), dtype=acc_torch)
+    outputs = (
+        first.new_empty((*q_dims, *lead, dim)),
+        first.new_empty((*q_dims, *lead), dtype=acc_torch),
+        first.new_empty((*q_dims, n, *lead), dtype=acc_torch),
+        first.new_empty((n, *lead), dtype=acc_torch),
+    )
     if m == 0:
-        return out, lse, logits, rinv
+        return outputs
+    # [Q, ...] views of the per-site tensors, sliced per site group below.
+    out, lse, logits = outputs[0].view(q, m, dim), outputs[1].view(q, m), outputs[2].view(q, n, m)
+    rinv = outputs[3]
     offsets = _int64_table(_offsets(rows), first.device)
     strides = _int64_table([r.stride(0) for r in rows], first.device)
-    u = query_key.contiguous()
-    g = out_norm_weight.contiguous() if out_norm_weight is not None else None
     has_prefix = prefix_out is not None
     if has_prefix:
-        prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
+        prefix_out, prefix_lse = prefix_out.reshape(q, m, dim).contiguous(), prefix_lse.reshape(q, m).contiguous()
     for q0, q1 in _site_groups(q, cfg.block_q):
         depth_attn_fwd_kernel[(m,)](
             rows[0],
@@ -247,7 +268,7 @@ def depth_attn_fwd(sources, query_key, prefix_out, prefix_lse, out_norm_weight, 
             ALIGN=_alignment(rows),
             **cfg.launch_options(),
         )
-    return out, lse, logits, rinv
+    return outputs
 
 
 def _column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
@@ -260,7 +281,8 @@ def depth_attn_bwd(
     grad_lse,
     grad_logits,
     sources,
-    query_key,
+    query,
+    norm_weight,
     prefix_out,
     prefix_lse,
     out_norm_weight,
@@ -272,32 +294,54 @@ def depth_attn_bwd(
     first = sources[0]
     dim = first.shape[-1]
     rows = [_rows(s, dim) for s in sources]
-    m, n, q = rows[0].shape[0], len(rows), query_key.shape[0]
     acc_torch, acc_tl = _acc_dtypes(first.dtype)
+    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
+    m, q = rows[0].shape[0], u.shape[0]
     cfg = kernel_config(dim, q, first.dtype)
     # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides.
     grad_sources = [first.new_empty(s.shape) for s in sources]
-    grad_u = query_key.new_zeros(query_key.shape)
+    grad_u = u.new_zeros(u.shape)
     has_prefix, has_norm = prefix_out is not None, out_norm_weight is not None
     grad_prefix_out = prefix_out.new_zeros(prefix_out.shape) if has_prefix else first.new_empty((0,))
-    grad_prefix_lse = prefix_lse.new_zeros(prefix_lse.shape) if has_prefix else query_key.new_empty((0,))
-    grad_g = out_norm_weight.new_zeros(out_norm_weight.shape) if has_norm else query_key.new_empty((0,))
-    if m == 0:
+    grad_prefix_lse = prefix_lse.new_zeros(prefix_lse.shape) if has_prefix else u.new_empty((0,))
+    grad_g = u.new_zeros(u.shape) if has_norm else None
+    if m > 0:
+        _depth_attn_bwd_launch(
+            grad_out, grad_lse, grad_logits, rows, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
+            grad_u, grad_prefix_out, grad_prefix_lse, grad_g, cfg, acc_torch, acc_tl,
+        )  # fmt: skip
+    else:
         for gs in grad_sources:
             gs.zero_()
-        return grad_sources, grad_u, grad_prefix_out, grad_prefix_lse, grad_g
+    if norm_weight is not None:
+        grad_query = _param_grad(grad_u * norm_weight.to(acc_torch), query)
+        grad_norm = _param_grad(grad_u * query.to(acc_torch), norm_weight)
+    else:
+        grad_query, grad_norm = _param_grad(grad_u, query), u.new_empty((0,))
+    grad_out_norm = _param_grad(grad_g, out_norm_weight) if has_norm else u.new_empty((0,))
+    return grad_sources, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_out_norm
+
+
+def _depth_attn_bwd_launch(
+    grad_out, grad_lse, grad_logits, rows, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
+    grad_u, grad_prefix_out, grad_prefix_lse, grad_g, cfg, acc_torch, acc_tl,
+):  # fmt: skip
+    """The backward kernel launches over site groups; ``grad_*`` are written in place."""
+    first, dim = rows[0], rows[0].shape[1]
+    m, n, q = first.shape[0], len(rows), u.shape[0]
+    has_prefix, has_norm = prefix_out is not None, g is not None
     grad_rows = [gs.view(m, dim) for gs in grad_sources]
     offsets = _int64_table(_offsets(rows), first.device)
     strides = _int64_table([r.stride(0) for r in rows], first.device)
     grad_offsets = _int64_table(_offsets(grad_rows), first.device)
     align = min(_alignment(rows), _alignment(grad_rows))
-    u, dy = query_key.contiguous(), grad_out.contiguous()
-    logits, rinv = logits.contiguous(), rinv.contiguous()
-    dlse = grad_lse.contiguous() if grad_lse is not None else None
-    dlogits = grad_logits.contiguous() if grad_logits is not None else None
+    dy = grad_out.reshape(q, m, dim).contiguous()
+    logits, rinv = logits.reshape(q, n, m).contiguous(), rinv.contiguous()
+    dlse = grad_lse.reshape(q, m).contiguous() if grad_lse is not None else None
+    dlogits = grad_logits.reshape(q, n, m).contiguous() if grad_logits is not None else None
     if has_prefix:
-        prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
-    g = out_norm_weight.contiguous() if has_norm else None
+        prefix_out, prefix_lse = prefix_out.reshape(q, m, dim).contiguous(), prefix_lse.reshape(q, m).contiguous()
+        grad_prefix_out, grad_prefix_lse = grad_prefix_out.view(q, m, dim), grad_prefix_lse.view(q, m)
     n_programs = triton.cdiv(m, BWD_ROWS)
     for group, (q0, q1) in enumerate(_site_groups(q, cfg.block_q)):
         nq = q1 - q0
@@ -343,4 +387,3 @@ def depth_attn_bwd(
         _column_sum(du_part, grad_u[q0:q1])
         if has_norm:
             _column_sum(dg_part, grad_g[q0:q1])
-    return grad_sources, grad_u, grad_prefix_out, grad_prefix_lse, grad_g

@@ -14,13 +14,13 @@ from ..ops._registration import register_depth_attn_ops
 from . import launch
 
 FWD_SCHEMA = (
-    "(Tensor[] sources, Tensor query_key, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, "
-    "float eps) -> (Tensor, Tensor, Tensor, Tensor)"
+    "(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
+    "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
-    "(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query_key, "
+    "(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, Tensor? norm_weight, "
     "Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, Tensor rinv, float eps) "
-    "-> (Tensor[], Tensor, Tensor, Tensor, Tensor)"
+    "-> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 _lib = torch.library.Library("attnres_triton", "DEF")
@@ -33,7 +33,3 @@ for _device in ("CPU", "CUDA"):
 register_depth_attn_ops(
     "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", torch.ops.attnres_triton.depth_attn_bwd.default
 )
-
-
-def fwd_op():
-    return torch.ops.attnres_triton.depth_attn_fwd.default

@@ -470,70 +470,71 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
 // ---------------------------------------------------------------- op entry points
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
-    at::TensorList sources, const at::Tensor& query_key, const c10::optional<at::Tensor>& prefix_out,
-    const c10::optional<at::Tensor>& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
   const SourceRows in = check_sources(sources);
   const auto dtype = in.rows[0].scalar_type();
   const auto acc = accumulation_type(dtype);
-  const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
-  const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
-  at::Tensor g =
-      out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc) : at::Tensor();
+  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in, acc);
   at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
+  check_prefix(prefix_out, prefix_lse, site.q_dims, in, h_a, lse_a);
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto opts = in.rows[0].options();
-  at::Tensor out = empty_output(shape_with({q}, in.lead_shape, {in.dim}), opts);
-  at::Tensor lse = at::empty(shape_with({q}, in.lead_shape), opts.dtype(acc));
-  at::Tensor logits = at::empty(shape_with({q, n}, in.lead_shape), opts.dtype(acc));
+  std::vector<int64_t> qn = site.q_dims;
+  qn.push_back(n);
+  at::Tensor out = empty_output(shape_with(site.q_dims, in.lead_shape, {in.dim}), opts);
+  at::Tensor lse = at::empty(shape_with(site.q_dims, in.lead_shape), opts.dtype(acc));
+  at::Tensor logits = at::empty(shape_with(qn, in.lead_shape), opts.dtype(acc));
   at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_fwd_cpu", [&] {
-    depth_attn_fwd_impl<scalar_t>(in, u, h_a, lse_a, g, eps, out, lse, logits, rinv);
+    depth_attn_fwd_impl<scalar_t>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
   });
   return {out, lse, logits, rinv};
 }
 
-std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cpu(
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cpu(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
-    at::TensorList sources, const at::Tensor& query_key, const c10::optional<at::Tensor>& prefix_out,
-    const c10::optional<at::Tensor>& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight,
-    const at::Tensor& logits, const at::Tensor& rinv, double eps) {
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
   const SourceRows in = check_sources(sources);
   const auto dtype = in.rows[0].scalar_type();
   const auto acc = accumulation_type(dtype);
-  const int64_t q = query_key.dim() == 2 ? query_key.size(0) : -1;
+  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in, acc);
   const int64_t n = static_cast<int64_t>(in.rows.size());
-  const at::Tensor u = check_site_param(query_key, "query_key", q, in, acc);
-  at::Tensor g =
-      out_norm_weight.has_value() ? check_site_param(*out_norm_weight, "out_norm_weight", q, in, acc) : at::Tensor();
   at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, q, in, h_a, lse_a);
+  check_prefix(prefix_out, prefix_lse, site.q_dims, in, h_a, lse_a);
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
                 at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
     return t.contiguous();
   };
-  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with({q}, in.lead_shape, {in.dim}), dtype);
-  const at::Tensor logits_c = check_saved(logits, "logits", shape_with({q, n}, in.lead_shape), acc);
+  std::vector<int64_t> qn = site.q_dims;
+  qn.push_back(n);
+  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), dtype);
+  const at::Tensor logits_c = check_saved(logits, "logits", shape_with(qn, in.lead_shape), acc);
   const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
-  const at::Tensor dlse =
-      grad_lse.has_value() ? check_saved(*grad_lse, "grad_lse", shape_with({q}, in.lead_shape), acc) : at::Tensor();
+  const at::Tensor dlse = grad_lse.has_value()
+                              ? check_saved(*grad_lse, "grad_lse", shape_with(site.q_dims, in.lead_shape), acc)
+                              : at::Tensor();
   const at::Tensor dlogits = grad_logits.has_value()
-                                 ? check_saved(*grad_logits, "grad_logits", shape_with({q, n}, in.lead_shape), acc)
+                                 ? check_saved(*grad_logits, "grad_logits", shape_with(qn, in.lead_shape), acc)
                                  : at::Tensor();
 
   std::vector<at::Tensor> dsrc;
   dsrc.reserve(n);
   for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), in.rows[0].options()));
-  at::Tensor du = at::empty_like(u);
+  at::Tensor du = at::empty_like(site.u);
   at::Tensor dh_a = h_a.defined() ? empty_output(h_a.sizes(), h_a.options()) : at::empty({0}, in.rows[0].options());
-  at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, u.options());
-  at::Tensor dg = g.defined() ? at::empty_like(g) : at::empty({0}, u.options());
+  at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, site.u.options());
+  at::Tensor dg = site.g.defined() ? at::empty_like(site.g) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_bwd_cpu", [&] {
-    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, u, h_a, lse_a, g, logits_c, rinv_c, eps, dsrc, du, dh_a,
-                                  dlse_a, dg);
+    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
+                                  dh_a, dlse_a, dg);
   });
-  return {dsrc, du, dh_a, dlse_a, dg};
+  auto [d_query, d_norm, d_g] = site_param_grads(du, dg, query, norm_weight, out_norm_weight);
+  return {dsrc, d_query, d_norm, dh_a, dlse_a, d_g};
 }
 
 }  // namespace

@@ -56,16 +56,18 @@ int main() {
   auto fwd = c10::Dispatcher::singleton()
                  .findSchemaOrThrow("attnres::depth_attn_fwd", "")
                  .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-                     at::TensorList, const at::Tensor&, const Opt&, const Opt&, const Opt&, double)>();
+                     at::TensorList, const at::Tensor&, const Opt&, const Opt&, const Opt&, const Opt&, double)>();
   auto bwd = c10::Dispatcher::singleton()
                  .findSchemaOrThrow("attnres::depth_attn_bwd", "")
-                 .typed<std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                 .typed<std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
                      const at::Tensor&, const Opt&, const Opt&, at::TensorList, const at::Tensor&, const Opt&,
-                     const Opt&, const Opt&, const at::Tensor&, const at::Tensor&, double)>();
+                     const Opt&, const Opt&, const Opt&, const at::Tensor&, const at::Tensor&, double)>();
 
-  auto [out, lse, logits, rinv] = fwd.call(sources, u, std::nullopt, std::nullopt, std::nullopt, eps);
-  auto [grad_sources, grad_u, grad_prefix_out, grad_prefix_lse, grad_g] =
-      bwd.call(dy, std::nullopt, std::nullopt, sources, u, std::nullopt, std::nullopt, std::nullopt, logits, rinv, eps);
+  // A [1, D] query with no key-norm weight: u is the query itself.
+  auto [out, lse, logits, rinv] = fwd.call(sources, u, std::nullopt, std::nullopt, std::nullopt, std::nullopt, eps);
+  auto [grad_sources, grad_u, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g] =
+      bwd.call(dy, std::nullopt, std::nullopt, sources, u, std::nullopt, std::nullopt, std::nullopt, std::nullopt,
+               logits, rinv, eps);
   const Reference ref = reference_read(sources, u, dy, eps);
 
   bool ok = close("out", out[0], ref.out) && close("lse", lse[0], ref.lse) && close("grad_u", grad_u, ref.grad_u);
