@@ -20,44 +20,60 @@ namespace attnres {
 const char* cpu_vector_isa();
 
 // The sources of one call as [M, D] matrices whose rows are contiguous (a view
-// when the layout allows, a contiguous copy only when it does not).
+// when the layout allows, a contiguous copy only when it does not). Sources may
+// differ in dtype (DESIGN.md §2.5): each is read in its own dtype, the output
+// has the promoted dtype and the arithmetic runs in the accumulation dtype.
 struct SourceRows {
   std::vector<at::Tensor> rows;
   int64_t num_rows = 0;  // M: product of the leading dims
   int64_t dim = 0;       // D
   at::IntArrayRef lead_shape;
+  at::ScalarType out_dtype;  // promotion of the source dtypes (and of a merge prefix: see check_prefix)
+  at::ScalarType acc_dtype;  // fp64 when out_dtype is fp64, else fp32
+
+  // Whether every source has the same dtype (the kernels' fast path).
+  bool uniform_dtype() const {
+    for (const auto& r : rows)
+      if (r.scalar_type() != rows[0].scalar_type()) return false;
+    return true;
+  }
 };
 
 inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
 
 inline SourceRows check_sources(const at::TensorList sources) {
   TORCH_CHECK(!sources.empty(), "depth attention: `sources` is empty (N = 0)");
   const at::Tensor& first = sources[0];
   TORCH_CHECK(first.dim() >= 1, "depth attention: sources must have shape [..., D]");
-  const auto dtype = first.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
-              "depth attention: unsupported source dtype ", dtype);
   SourceRows out;
   out.dim = first.size(-1);
   TORCH_CHECK(out.dim > 0, "depth attention: sources have D = 0");
   out.num_rows = first.numel() / out.dim;
   out.lead_shape = first.sizes().slice(0, first.dim() - 1);
+  out.out_dtype = first.scalar_type();
   out.rows.reserve(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
     const at::Tensor& s = sources[i];
+    TORCH_CHECK(is_supported_dtype(s.scalar_type()), "depth attention: sources[", i, "] has unsupported dtype ",
+                s.scalar_type());
     TORCH_CHECK(s.sizes() == first.sizes(), "depth attention: sources[", i, "] has shape ", s.sizes(),
                 ", sources[0] has ", first.sizes());
-    TORCH_CHECK(s.scalar_type() == dtype, "depth attention: sources[", i, "] is ", s.scalar_type(), ", sources[0] is ",
-                dtype);
     TORCH_CHECK(s.device() == first.device(), "depth attention: sources on different devices");
+    out.out_dtype = at::promote_types(out.out_dtype, s.scalar_type());
     at::Tensor r = s.reshape({out.num_rows, out.dim});
     if (r.stride(1) != 1) r = r.contiguous();
     out.rows.push_back(std::move(r));
   }
+  out.acc_dtype = accumulation_type(out.out_dtype);
   return out;
 }
 
-// The per-site parameters of one call, in the accumulation dtype. `query` is
+// The per-site parameters of one call, in the accumulation dtype (call after
+// check_prefix, which may raise it to fp64). `query` is
 // [D] (one site: outputs have no site dim) or [Q, D]; `norm_weight` and
 // `out_norm_weight` are [D] (shared by every site) or [Q, D]. The kernels see
 // u = query ⊙ norm_weight and g = out_norm_weight as contiguous [Q, D].
@@ -80,8 +96,8 @@ inline void check_site_param(const at::Tensor& t, const char* name, int64_t q, b
 }
 
 inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
-                                    const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
-                                    at::ScalarType acc) {
+                                    const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src) {
+  const at::ScalarType acc = src.acc_dtype;
   const auto device = src.rows[0].device();
   TORCH_CHECK(query.dim() == 1 || query.dim() == 2, "depth attention: `query` must be [D] or [Q, D], got ",
               query.sizes());
@@ -162,22 +178,31 @@ inline std::vector<int64_t> shape_with(std::vector<int64_t> leading, at::IntArra
   return shape;
 }
 
+// The leading dims of the per-site outputs: {} for a [D] query, {Q} for a [Q, D] query.
+inline std::vector<int64_t> site_dims(const at::Tensor& query) {
+  return query.dim() == 2 ? std::vector<int64_t>{query.size(0)} : std::vector<int64_t>{};
+}
+
 // The prefix (h_a [Q?, ..., D], lse_a [Q?, ...]; Q present when the query is [Q, D])
-// of a merge, as contiguous tensors.
+// of a merge, as contiguous tensors. h_a may have any supported dtype: it joins
+// the promotion of the output dtype (so call this before allocating outputs);
+// lse_a must be in the resulting accumulation dtype.
 inline void check_prefix(const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-                         const std::vector<int64_t>& q_dims, const SourceRows& src, at::Tensor& h_a,
-                         at::Tensor& lse_a) {
+                         const std::vector<int64_t>& q_dims, SourceRows& src, at::Tensor& h_a, at::Tensor& lse_a) {
   TORCH_CHECK(prefix_out.has_value() == prefix_lse.has_value(),
               "depth attention: prefix_out and prefix_lse must be given together");
   if (!prefix_out.has_value()) return;
-  const auto dtype = src.rows[0].scalar_type();
   TORCH_CHECK(prefix_out->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape, {src.dim})),
               "depth attention: prefix_out must be [Q?, ..., D] like the output, got ", prefix_out->sizes());
-  TORCH_CHECK(prefix_out->scalar_type() == dtype, "depth attention: prefix_out dtype differs from the sources");
+  TORCH_CHECK(is_supported_dtype(prefix_out->scalar_type()), "depth attention: prefix_out has unsupported dtype ",
+              prefix_out->scalar_type());
+  TORCH_CHECK(prefix_out->device() == src.rows[0].device(), "depth attention: prefix_out is on another device");
+  src.out_dtype = at::promote_types(src.out_dtype, prefix_out->scalar_type());
+  src.acc_dtype = accumulation_type(src.out_dtype);
   TORCH_CHECK(prefix_lse->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape)),
               "depth attention: prefix_lse must be [Q?, ...] like lse, got ", prefix_lse->sizes());
-  TORCH_CHECK(prefix_lse->scalar_type() == accumulation_type(dtype),
-              "depth attention: prefix_lse must be in the accumulation dtype");
+  TORCH_CHECK(prefix_lse->scalar_type() == src.acc_dtype, "depth attention: prefix_lse must be ", src.acc_dtype,
+              " (the accumulation dtype), got ", prefix_lse->scalar_type());
   h_a = prefix_out->contiguous();
   lse_a = prefix_lse->contiguous();
 }

@@ -469,16 +469,24 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
 
 // ---------------------------------------------------------------- op entry points
 
+// The one dtype of the sources (and of the prefix); mixed dtypes are not yet
+// supported by these kernels.
+at::ScalarType single_dtype(const SourceRows& in, const at::Tensor& h_a) {
+  TORCH_CHECK(in.uniform_dtype() && (!h_a.defined() || h_a.scalar_type() == in.rows[0].scalar_type()),
+              "depth attention (cpu): sources and prefix of different dtypes are not supported yet");
+  return in.rows[0].scalar_type();
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
     const c10::optional<at::Tensor>& out_norm_weight, double eps) {
-  const SourceRows in = check_sources(sources);
-  const auto dtype = in.rows[0].scalar_type();
-  const auto acc = accumulation_type(dtype);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in, acc);
+  SourceRows in = check_sources(sources);
   at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site.q_dims, in, h_a, lse_a);
+  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
+  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+  const auto dtype = single_dtype(in, h_a);
+  const auto acc = in.acc_dtype;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto opts = in.rows[0].options();
   std::vector<int64_t> qn = site.q_dims;
@@ -498,13 +506,13 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
     const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
-  const SourceRows in = check_sources(sources);
-  const auto dtype = in.rows[0].scalar_type();
-  const auto acc = accumulation_type(dtype);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in, acc);
-  const int64_t n = static_cast<int64_t>(in.rows.size());
+  SourceRows in = check_sources(sources);
   at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site.q_dims, in, h_a, lse_a);
+  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
+  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+  const int64_t n = static_cast<int64_t>(in.rows.size());
+  const auto dtype = single_dtype(in, h_a);
+  const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
                 at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
