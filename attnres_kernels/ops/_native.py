@@ -23,21 +23,25 @@ def available() -> bool:
     return LOAD_ERROR is None
 
 
-def _registered_kernels() -> frozenset:
-    """(op name, device type) of every kernel the extension registered, read once
-    so that dispatch decisions stay traceable by torch.compile."""
-    if LOAD_ERROR is not None:
-        return frozenset()
-    names = [n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("attnres::")]
-    return frozenset(
-        (name, device_type)
-        for name in names
-        for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"attnres::{name}", key)
-    )
+# Names of the attnres:: ops the extension defines, and (op name, device type)
+# of every kernel it registered: read once so that dispatch decisions stay
+# traceable by torch.compile.
+OPS = (
+    frozenset(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("attnres::"))
+    if LOAD_ERROR is None
+    else frozenset()
+)
+KERNELS = frozenset(
+    (name, device_type)
+    for name in OPS
+    for device_type, key in (("cpu", "CPU"), ("cuda", "CUDA"))
+    if torch._C._dispatch_has_kernel_for_dispatch_key(f"attnres::{name}", key)
+)
 
 
-KERNELS = _registered_kernels()
+def defines(op: str) -> bool:
+    """Whether the extension defines the op ``attnres::<op>`` (with kernels or not)."""
+    return op in OPS
 
 
 def has_kernel(op: str, device_type: str) -> bool:

@@ -25,13 +25,63 @@ the site parameters, the prefix when given, and the fp32/fp64 per-row scalars
 ``logits`` and ``rinv``. The backward recomputes ``α = softmax(logits)`` (as
 ``exp(s - max) / Σ``: more accurate than ``exp(s - lse)`` with a rounded
 ``lse``) and, when the output norm is fused, ``h`` from the sources.
+
+Attention and the Block step follow below, each with its schema.
+
+Higher-order gradients. The fused backward kernels are not themselves
+differentiable. When a backward runs with ``create_graph=True`` (grad mode on
+inside the backward), the Python autograd here computes the gradients instead
+by autograd through the plain-PyTorch reference, as a differentiable function
+of the saved inputs (:func:`differentiable_grads`): double backward is then
+exact, on every backend, at the reference's cost.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import reference
 from .._validation import accumulation_dtype, promoted_dtype
+from ..reference.ops import _logits
+
+
+def differentiable_grads(fn, inputs: list, grad_outputs: list) -> list:
+    """``d(Σ <fn(inputs)_k, grad_outputs_k>) / d inputs`` as a differentiable function
+    (``create_graph=True``), ``None`` for inputs that do not require grad.
+
+    ``inputs`` is a flat list of tensors (or None); ``fn`` maps it to a tuple of
+    outputs matching ``grad_outputs`` (None entries are skipped)."""
+    with torch.enable_grad():
+        outputs = fn(inputs)
+    wrt = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
+    result = [None] * len(inputs)
+    if not wrt or not pairs:
+        return result
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs], [inputs[i] for i in wrt], [g for _, g in pairs], create_graph=True, allow_unused=True
+    )
+    for i, grad in zip(wrt, grads):
+        result[i] = grad if grad is not None else torch.zeros_like(inputs[i])
+    return result
+
+
+# ---------------------------------------------------------------- depth read
+
+
+def reference_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+    """``(out, lse, logits)`` of ``depth_attn_fwd`` computed by the reference (differentiable)."""
+    kwargs = dict(eps=eps, out_norm_weight=out_norm_weight, return_lse=True)
+    if prefix_out is None:
+        out, lse = reference.depth_attention(query, sources, norm_weight, **kwargs)
+    else:
+        out, lse = reference.depth_attention_merge(query, prefix_out, prefix_lse, sources, norm_weight, **kwargs)
+    acc = lse.dtype
+    u = query.to(acc) if query.dim() == 2 else query.to(acc).unsqueeze(0)
+    if norm_weight is not None:
+        u = u * norm_weight.to(acc)
+    logits = _logits(u, torch.stack([s.to(acc) for s in sources]), eps)
+    return out, lse, logits if query.dim() == 2 else logits.squeeze(0)
 
 
 def fake_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
@@ -95,6 +145,14 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
         saved = ctx.saved_tensors
         sources = list(saved[: ctx.num_sources])
         query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logits, rinv = saved[ctx.num_sources :]
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
+            n = ctx.num_sources
+            grads = differentiable_grads(
+                lambda x: reference_depth_fwd(x[:n], *x[n:], ctx.eps),
+                [*sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
+                [grad_out, grad_lse, grad_logits],
+            )
+            return (grads[:n], *grads[n:], None)
         if grad_out is None:
             lead = sources[0].shape
             grad_out = sources[0].new_zeros((*query.shape[:-1], *lead), dtype=ctx.out_dtype)
@@ -131,3 +189,185 @@ def register_depth_attn_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
     """Registers the fake kernels of both ops and the Python autograd of the forward."""
     register_depth_attn_fakes(fwd_name, bwd_name)
     register_depth_attn_autograd(fwd_name, bwd_op)
+
+
+# ---------------------------------------------------------------- attention
+#
+#   attn_fwd(q [B, H, Tq, Dh], k [B, Hkv, Tk, Dh], v [B, Hkv, Tk, Dh], key_padding_mask? [B, Tk] bool,
+#            bool causal, float scale) -> (out [B, H, Tq, Dh] (q's dtype), lse [B, H, Tq] (acc dtype))
+#   attn_bwd(grad_out, grad_lse?, q, k, v, key_padding_mask?, out, lse, causal, scale)
+#       -> (grad_q, grad_k, grad_v)
+#
+# Saved for backward: q, k, v, the mask, out and the fp32/fp64 lse (no T x T
+# matrix: the backward recomputes the probabilities tile by tile).
+
+
+def fake_attn_fwd(q, k, v, key_padding_mask, causal, scale):
+    acc = accumulation_dtype(q.dtype)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=acc)
+
+
+def fake_attn_bwd(grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal, scale):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def reference_attn_fwd(q, k, v, key_padding_mask, causal, scale):
+    """``(out, lse)`` of ``attn_fwd`` computed by the reference (differentiable)."""
+    return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, return_lse=True)
+
+
+def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+    """Fake kernels of both attention ops and the Python autograd of the forward."""
+    torch.library.register_fake(fwd_name)(fake_attn_fwd)
+    torch.library.register_fake(bwd_name)(fake_attn_bwd)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, key_padding_mask, causal, scale = inputs
+        out, lse = output
+        ctx.causal, ctx.scale = causal, scale
+        ctx.save_for_backward(q, k, v, key_padding_mask, out, lse)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, key_padding_mask, out, lse = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
+            dq, dk, dv, *_ = differentiable_grads(
+                lambda x: reference_attn_fwd(*x, ctx.causal, ctx.scale),
+                [q, k, v, key_padding_mask],
+                [grad_out, grad_lse],
+            )
+            return dq, dk, dv, None, None, None
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = bwd_op(grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
+
+    torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+
+
+# ---------------------------------------------------------------- Block step
+#
+#   block_step_fwd(partial? [..., D], update [..., D], query [D], norm_weight? [D], prefix_out [..., D],
+#                  prefix_lse [...], out_norm_weight? [D], float eps)
+#       -> (new_partial [..., D], out [..., D], lse [...], logit [...], rinv [...])
+#   block_step_bwd(grad_new_partial?, grad_out?, grad_lse?, new_partial, query, norm_weight?, prefix_out,
+#                  prefix_lse, out_norm_weight?, logit, rinv, eps)
+#       -> (grad_new_partial, grad_query, grad_norm_weight, grad_prefix_out, grad_prefix_lse,
+#           grad_out_norm_weight)
+#
+# new_partial = partial + update (update alone when partial is absent) has the
+# promoted dtype of the addends; out = the merge of the prefix read with the one
+# source new_partial (then the fused output norm) has the promotion of that and
+# prefix_out's dtype; lse, logit (the new source's s) and rinv (its key-norm
+# scale) are in the accumulation dtype. grad_new_partial is the total gradient
+# of new_partial (the incoming one plus the read's): autograd hands it to both
+# addends, each in its own dtype. Saved for backward: new_partial (never the
+# addends), the site parameters, the prefix and the per-row scalars logit and rinv.
+
+
+def fake_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+    new_dtype = update.dtype if partial is None else torch.promote_types(partial.dtype, update.dtype)
+    out_dtype = torch.promote_types(new_dtype, prefix_out.dtype)
+    acc = accumulation_dtype(out_dtype)
+    lead = update.shape[:-1]
+    return (
+        update.new_empty(update.shape, dtype=new_dtype),
+        update.new_empty(update.shape, dtype=out_dtype),
+        update.new_empty(lead, dtype=acc),
+        update.new_empty(lead, dtype=acc),
+        update.new_empty(lead, dtype=acc),
+    )
+
+
+def fake_block_step_bwd(
+    grad_new_partial,
+    grad_out,
+    grad_lse,
+    new_partial,
+    query,
+    norm_weight,
+    prefix_out,
+    prefix_lse,
+    out_norm_weight,
+    logit,
+    rinv,
+    eps,
+):
+    return (
+        torch.empty_like(new_partial, memory_format=torch.contiguous_format),
+        torch.empty_like(query),
+        _empty_like_or_none(norm_weight, logit),
+        torch.empty_like(prefix_out, memory_format=torch.contiguous_format),
+        torch.empty_like(prefix_lse, memory_format=torch.contiguous_format),
+        _empty_like_or_none(out_norm_weight, logit),
+    )
+
+
+def reference_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+    """``(new_partial, out, lse)`` of ``block_step_fwd`` computed by the reference (differentiable)."""
+    return reference.block_step(
+        partial,
+        update,
+        query,
+        prefix_out,
+        prefix_lse,
+        norm_weight,
+        eps=eps,
+        out_norm_weight=out_norm_weight,
+        return_lse=True,
+    )
+
+
+def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+    """Fake kernels of both Block-step ops and the Python autograd of the forward."""
+    torch.library.register_fake(fwd_name)(fake_block_step_fwd)
+    torch.library.register_fake(bwd_name)(fake_block_step_bwd)
+
+    def setup_context(ctx, inputs, output):
+        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs
+        new_partial, _, _, logit, rinv = output
+        ctx.mark_non_differentiable(logit, rinv)
+        ctx.eps = eps
+        ctx.addend_dtypes = (partial.dtype if partial is not None else None, update.dtype)
+        # Not the addends: keeping the old partial sum alive would cost O(L·d) memory.
+        ctx.save_for_backward(new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv)
+
+    def backward(ctx, grad_new_partial, grad_out, grad_lse, _grad_logit, _grad_rinv):
+        new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
+            # The read depends on the addends only through their sum new_partial.
+            d_new, *grads = differentiable_grads(
+                lambda x: reference_block_step_fwd(None, *x, ctx.eps),
+                [new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
+                [None, grad_out, grad_lse],
+            )
+            d_new = d_new if d_new is not None else torch.zeros_like(new_partial)
+            grad_total = d_new + grad_new_partial if grad_new_partial is not None else d_new
+        else:
+            grad_total, *grads = bwd_op(
+                grad_new_partial,
+                grad_out,
+                grad_lse,
+                new_partial,
+                query,
+                norm_weight,
+                prefix_out,
+                prefix_lse,
+                out_norm_weight,
+                logit,
+                rinv,
+                ctx.eps,
+            )
+        grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g = grads
+        partial_dtype, update_dtype = ctx.addend_dtypes
+        return (
+            grad_total.to(partial_dtype) if partial_dtype is not None else None,
+            grad_total.to(update_dtype),
+            grad_query,
+            grad_norm if norm_weight is not None else None,
+            grad_prefix_out,
+            grad_prefix_lse,
+            grad_g if out_norm_weight is not None else None,
+            None,
+        )
+
+    torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)

@@ -16,12 +16,34 @@ from torch import Tensor
 
 from .. import reference
 from .._validation import check_attention
-from . import _dispatch
+from . import _dispatch, _native
+from ._registration import register_attention_ops
+
+MAX_HEAD_DIM = 256  # the fused kernels keep a [tile, Dh] block of q, k, v per program
+
+if _native.defines("attn_fwd"):
+    register_attention_ops("attnres::attn_fwd", "attnres::attn_bwd", torch.ops.attnres.attn_bwd.default)
+
+
+def _limit(head_dim: int):
+    def limit(backend: str) -> str | None:
+        if head_dim > MAX_HEAD_DIM:
+            return f"the fused attention kernels support head sizes Dh <= {MAX_HEAD_DIM}, got Dh = {head_dim}"
+        return None
+
+    return limit
 
 
 def resolve_backend(backend: str, device: torch.device, head_dim: int) -> str:
     """The backend that will run an attention call with head size ``head_dim`` on ``device``."""
-    return _dispatch.resolve(backend, device, "attn_fwd", what=f" (Dh = {head_dim})")
+    return _dispatch.resolve(backend, device, "attn_fwd", _limit(head_dim), what=f" (Dh = {head_dim})")
+
+
+def available_backends(device: torch.device | str = "cpu", head_dim: int = 64) -> list:
+    """Backends that can run attention with head size ``head_dim`` on ``device`` right now."""
+    device = torch.device(device)
+    limit = _limit(head_dim)
+    return [b for b in _dispatch.BACKENDS[1:] if _dispatch.unavailable_reason(b, device, "attn_fwd", limit) is None]
 
 
 def attention(
@@ -35,11 +57,17 @@ def attention(
     return_lse: bool = False,
     backend: str = "auto",
 ):
-    """``softmax(q kᵀ · scale + mask) v``, fused; see :func:`attnres_kernels.reference.attention`."""
-    check_attention(q, k, v, key_padding_mask, scale)
+    """``softmax(q kᵀ · scale + mask) v``, fused (FlashAttention-2 style: no T×T matrix
+    in memory, fp32 LSE saved for a backward that recomputes the probabilities).
+
+    Same arguments and results as :func:`attnres_kernels.reference.attention`, plus
+    ``backend`` (see :mod:`attnres_kernels.ops`). Fused kernels take head sizes up to
+    :data:`MAX_HEAD_DIM`."""
+    scale = check_attention(q, k, v, key_padding_mask, scale)
     chosen = resolve_backend(backend, q.device, q.shape[-1])
-    if chosen != "reference":
-        raise _dispatch.BackendUnavailableError(f"no fused attention kernels yet ({chosen!r})")
-    return reference.attention(
-        q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, return_lse=return_lse
-    )
+    if chosen == "reference":
+        return reference.attention(
+            q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, return_lse=return_lse
+        )
+    out, lse = _dispatch.fused_op(chosen, "attn_fwd")(q, k, v, key_padding_mask, bool(causal), float(scale))
+    return (out, lse) if return_lse else out

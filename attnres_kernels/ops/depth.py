@@ -48,6 +48,43 @@ def available_backends(device: torch.device | str = "cpu", dim: int = 1, dtype: 
     ]
 
 
+def read_unchecked(
+    backend: str,
+    sources: list,
+    query: Tensor,
+    norm_weight: Tensor | None = None,
+    *,
+    prefix: tuple | None = None,
+    out_norm_weight: Tensor | None = None,
+    eps: float = 1e-6,
+    return_lse: bool = False,
+    return_weights: bool = False,
+):
+    """A depth read without argument checks, for modules that already guarantee
+    what :func:`depth_attention` checks (a list of same-shape, same-device sources of
+    supported dtypes; ``[D]`` or ``[Q, D]`` parameters; a ``(prefix_out, prefix_lse)``
+    merge prefix with ``prefix_lse`` in the accumulation dtype) and that resolved
+    ``backend`` once (:func:`resolve_backend`; ``"auto"`` is not accepted here).
+    Same results as :func:`depth_attention` / :func:`depth_attention_merge`."""
+    if backend == "reference":
+        if prefix is None:
+            return reference.depth_attention(
+                query,
+                sources,
+                norm_weight,
+                eps=eps,
+                out_norm_weight=out_norm_weight,
+                return_lse=return_lse,
+                return_weights=return_weights,
+            )
+        return reference.depth_attention_merge(
+            query, *prefix, sources, norm_weight, eps=eps, out_norm_weight=out_norm_weight, return_lse=return_lse
+        )
+    return _run_fused(
+        backend, sources, query, norm_weight, prefix or (None, None), out_norm_weight, eps, return_lse, return_weights
+    )
+
+
 def _run_fused(backend, sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, return_weights):
     prefix_out, prefix_lse = prefix
     out, lse, logits, _ = _dispatch.fused_op(backend, "depth_attn_fwd")(
