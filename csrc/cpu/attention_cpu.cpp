@@ -1,0 +1,648 @@
+// CPU kernels of fused attention (DESIGN.md §2.4), FlashAttention-2 style:
+//
+//   o = softmax(q kᵀ · scale + mask) v,   q [B, H, Tq, Dh],  k, v [B, Hkv, Tk, Dh],  H % Hkv == 0
+//
+// Forward: a program owns kBlockQ query rows of one head, keeps their output
+// accumulator, running max and running sum, and walks the keys in tiles of
+// kTileK (online softmax). Nothing of size T×T is ever stored; the saved lse
+// (fp32, fp64 for fp64 inputs) lets the backward recompute the probabilities.
+//
+// Backward, in two passes without atomics (so the result does not depend on
+// the number of threads or on scheduling):
+//   dK/dV pass: a program owns kBlockK keys of one kv head and walks the query
+//     tiles of every head of its group (GQA sums over the group), computing
+//     the tile transposed: Sᵀ = K Qsᵀ, Pᵀ = exp(Sᵀ - lse), dPᵀ = V dOᵀ,
+//     dSᵀ = Pᵀ ⊙ (dPᵀ - δ), dV += Pᵀ dO, dK += dSᵀ Qs;
+//   dQ pass: a program owns kBlockQ query rows of one head and walks the key
+//     tiles: S = Qs Kᵀ, P = exp(S - lse), dP = dO Vᵀ, dS = P ⊙ (dP - δ), dQ += dS K · scale;
+// with Qs = q · scale and δ = rowsum(dO ⊙ O) - dlse from a first row pass.
+//
+// Causal masks (query i sees keys j <= i + Tk - Tq) skip every tile above the
+// diagonal: a query block stops at its last visible key, a key block starts at
+// its first query, and within a diagonal tile the GEMMs are trimmed to the rows
+// and columns some query/key of the tile can see. Key padding is an additive
+// 0 / -inf bias per key. A query row that sees no key gets output 0,
+// lse = -inf and zero gradients.
+//
+// Every operand is packed into per-thread fp32 (fp64) buffers whose widths are
+// multiples of kAlign: half/bfloat16 inputs are converted once per tile, any
+// input row stride works, and every GEMM sees whole vectors. The inner
+// products go through a GEMM on those tiles (see gemm() below).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace attnres {
+namespace {
+
+template <typename T>
+using Vec = at::vec::Vectorized<T>;
+
+// Tile sizes (rows). The forward and the dQ pass: kBlockQ query rows per
+// program, keys in tiles of kTileK. The dK/dV pass: kBlockK keys per program,
+// queries in tiles of kTileQ. Buffer widths are padded to multiples of kAlign.
+constexpr int64_t kBlockQ = 256;
+constexpr int64_t kTileK = 64;
+constexpr int64_t kBlockK = 256;
+constexpr int64_t kTileQ = 64;
+constexpr int64_t kAlign = 16;
+constexpr int64_t kMaxHeadDim = 256;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// The t-th of n tiles of one head in the order 0, n-1, 1, n-2, ...: at::parallel_for
+// hands each thread a contiguous range of work items, and with causal masks the
+// cost of a tile grows with its index, so this order balances the threads.
+inline int64_t balanced_tile(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
+// ---------------------------------------------------------------- problem and inputs
+
+struct Problem {
+  int64_t batch, heads, kv_heads, group, tq, tk, dh;
+  int64_t dh_padded;  // Dh rounded up to kAlign: the row length of every packed [rows, Dh] tile
+  int64_t offset;     // Tk - Tq: query i sees keys j <= i + offset under the causal mask
+  bool causal;
+  double scale;
+
+  // Number of keys [0, n) that query row i may see (before key padding).
+  int64_t key_end(int64_t i) const { return causal ? std::clamp<int64_t>(i + offset + 1, 0, tk) : tk; }
+  // First query row that may see key j.
+  int64_t query_begin(int64_t j) const { return causal ? std::clamp<int64_t>(j - offset, 0, tq) : 0; }
+};
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k, v must be 4-D [B, heads, T, Dh], got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(is_supported_dtype(q.scalar_type()), "attention: unsupported dtype ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attention: q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention: q, k, v on different devices");
+  TORCH_CHECK(k.sizes() == v.sizes(), "attention: k and v must have one shape, got ", k.sizes(), ", ", v.sizes());
+  Problem p;
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.tq = q.size(2);
+  p.dh = q.size(3);
+  p.kv_heads = k.size(1);
+  p.tk = k.size(2);
+  TORCH_CHECK(k.size(0) == p.batch && k.size(3) == p.dh, "attention: k/v ", k.sizes(), " do not match q ", q.sizes(),
+              " in batch size or head size");
+  TORCH_CHECK(p.dh > 0 && p.dh <= kMaxHeadDim, "attention (cpu): head size must be in [1, ", kMaxHeadDim, "], got ",
+              p.dh);
+  TORCH_CHECK(p.kv_heads > 0 && p.heads % p.kv_heads == 0, "attention: query heads H = ", p.heads,
+              " must be a multiple of key/value heads Hkv = ", p.kv_heads);
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& m = *key_padding_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool, "attention: key_padding_mask must be bool, got ", m.scalar_type());
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == p.batch && m.size(1) == p.tk,
+                "attention: key_padding_mask must be [B, Tk] = [", p.batch, ", ", p.tk, "], got ", m.sizes());
+    TORCH_CHECK(m.device() == q.device(), "attention: key_padding_mask is on another device");
+  }
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "attention: scale must be positive and finite, got ", scale);
+  p.group = p.heads / p.kv_heads;
+  p.dh_padded = round_up(p.dh, kAlign);
+  p.offset = p.tk - p.tq;
+  p.causal = causal;
+  p.scale = scale;
+  return p;
+}
+
+// The rows of a [B, heads, T, Dh] tensor whose last dim is unit-stride (any other strides).
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* data;
+  int64_t stride_b, stride_h, stride_t;
+  const scalar_t* row(int64_t b, int64_t h, int64_t t) const {
+    return data + b * stride_b + h * stride_h + t * stride_t;
+  }
+};
+
+// A copy only when the last dim is not unit-stride.
+inline at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous();
+}
+
+template <typename scalar_t>
+HeadRows<scalar_t> head_rows(const at::Tensor& t) {
+  return {t.const_data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Key padding as an additive bias per key, [B, Tk] in the accumulation dtype
+// (0 for a real key, -inf for padding); undefined without a mask.
+at::Tensor key_bias(const c10::optional<at::Tensor>& key_padding_mask, at::ScalarType acc) {
+  if (!key_padding_mask.has_value()) return at::Tensor();
+  at::Tensor bias = at::zeros(key_padding_mask->sizes(), key_padding_mask->options().dtype(acc));
+  return bias.masked_fill_(key_padding_mask->logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+// ---------------------------------------------------------------- row helpers
+
+// dst[0:n] = mul * src[0:n] in T; dst[n:n_padded] = 0.
+template <typename scalar_t, typename T>
+inline void load_row(const scalar_t* src, int64_t n, T mul, T* dst, int64_t n_padded) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<scalar_t, T>) {
+    const Vec<T> vmul(mul);
+    for (; d + Vec<T>::size() <= n; d += Vec<T>::size()) (Vec<T>::loadu(src + d) * vmul).store(dst + d);
+  } else {
+    static_assert(std::is_same_v<T, float>, "half and bfloat16 are computed in float");
+    const Vec<float> vmul(mul);
+    for (; d + Vec<scalar_t>::size() <= n; d += Vec<scalar_t>::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(src + d));
+      (lo * vmul).store(dst + d);
+      (hi * vmul).store(dst + d + Vec<float>::size());
+    }
+  }
+  for (; d < n; ++d) dst[d] = mul * static_cast<T>(src[d]);
+  std::fill(dst + n, dst + n_padded, T(0));
+}
+
+// Rows [t0, t0 + n) of head (b, h) into dst [n, ldd] (scaled by mul; columns Dh..ldd zeroed).
+template <typename scalar_t, typename T>
+inline void load_rows(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh, T mul,
+                      T* dst, int64_t ldd) {
+  for (int64_t r = 0; r < n; ++r) load_row(x.row(b, h, t0 + r), dh, mul, dst + r * ldd, ldd);
+}
+
+// dst[0:n] = mul * src[0:n] as scalar_t (src is scaled in place).
+template <typename scalar_t, typename T>
+inline void store_row(T* src, int64_t n, T mul, scalar_t* dst) {
+  if (mul != T(1)) at::vec::map([mul](Vec<T> x) { return x * Vec<T>(mul); }, src, src, n);
+  if constexpr (std::is_same_v<scalar_t, T>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// dst[c, r] = src[r, c] for r < rows, c < cols, and dst[c, rows:rows_padded] = 0.
+template <typename T>
+inline void transpose_padded(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst,
+                             int64_t rows_padded) {
+  if constexpr (std::is_same_v<T, float>) {
+    at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+  if (rows_padded > rows)
+    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + c * ld_dst + rows_padded, T(0));
+}
+
+// exp that lets NaN through (at::vec's fast float exp maps NaN to a finite value).
+template <typename T>
+inline Vec<T> exp_vec(const Vec<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec<T>::blendv(x.exp_u20(), x, x.isnan());
+  } else {
+    return x.exp();
+  }
+}
+
+template <typename T>
+inline T max_propagating_nan(T a, T b) {
+  return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<T>::quiet_NaN() : std::max(a, b);
+}
+
+template <typename T>
+inline T reduce_max(const Vec<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+template <typename T>
+inline T reduce_sum(const Vec<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return a + b; }, v);
+}
+
+// x[0:n] += bias[0:n]
+template <typename T>
+inline void add_bias(T* x, const T* bias, int64_t n) {
+  int64_t d = 0;
+  for (; d + Vec<T>::size() <= n; d += Vec<T>::size()) (Vec<T>::loadu(x + d) + Vec<T>::loadu(bias + d)).store(x + d);
+  for (; d < n; ++d) x[d] += bias[d];
+}
+
+// ---------------------------------------------------------------- GEMM
+
+// C[M, N] = A[M, K] · B[K, N] (+ C when `accumulate`); row-major with leading
+// dimensions; N is a multiple of kAlign. A register-blocked at::vec kernel:
+// MR rows × two vectors of C stay in registers while K is walked.
+template <typename T, int MR>
+inline void gemm_row_block(int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+                           bool accumulate) {
+  constexpr int64_t W = Vec<T>::size();
+  int64_t j = 0;
+  for (; j + 2 * W <= N; j += 2 * W) {
+    Vec<T> c0[MR], c1[MR];
+    for (int r = 0; r < MR; ++r) {
+      c0[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j) : Vec<T>(T(0));
+      c1[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j + W) : Vec<T>(T(0));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec<T> b0 = Vec<T>::loadu(B + k * ldb + j);
+      const Vec<T> b1 = Vec<T>::loadu(B + k * ldb + j + W);
+      for (int r = 0; r < MR; ++r) {
+        const Vec<T> a(A[r * lda + k]);
+        c0[r] = at::vec::fmadd(a, b0, c0[r]);
+        c1[r] = at::vec::fmadd(a, b1, c1[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      c0[r].store(C + r * ldc + j);
+      c1[r].store(C + r * ldc + j + W);
+    }
+  }
+  for (; j < N; j += W) {
+    Vec<T> c0[MR];
+    for (int r = 0; r < MR; ++r) c0[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j) : Vec<T>(T(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec<T> b0 = Vec<T>::loadu(B + k * ldb + j);
+      for (int r = 0; r < MR; ++r) c0[r] = at::vec::fmadd(Vec<T>(A[r * lda + k]), b0, c0[r]);
+    }
+    for (int r = 0; r < MR; ++r) c0[r].store(C + r * ldc + j);
+  }
+}
+
+template <typename T>
+inline void gemm_vec(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+                     int64_t ldc, bool accumulate) {
+  // 2·MR accumulators + 2 B vectors + 1 broadcast fit the 32 (AVX512) or 16 registers.
+  constexpr int MR = sizeof(Vec<T>) >= 64 ? 8 : 4;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) gemm_row_block<T, MR>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  for (; i < M; ++i) gemm_row_block<T, 1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
+                 double* C, int64_t ldc, bool accumulate) {
+  if (M <= 0) return;
+  gemm_vec<double>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, bool accumulate) {
+  if (M <= 0) return;
+#if defined(ATTNRES_ATTENTION_VEC_GEMM)
+  gemm_vec<float>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+#else
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+#endif
+}
+
+// ---------------------------------------------------------------- softmax rows
+
+// One query row of the forward against one key tile (online softmax).
+// s[0:valid] holds the row's scaled scores for the keys of the tile it may see;
+// columns [valid, width) are hidden from it. `bias` is the key-padding bias of
+// the tile's keys or null. Overwrites s[0:width] with exp(s - m_new) (0 where
+// hidden), updates the running max m and sum l, and returns exp(m_old - m_new),
+// the factor by which the row's output accumulator must be rescaled.
+template <typename T>
+inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T& m, T& l) {
+  constexpr int64_t W = Vec<T>::size();
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  if (bias != nullptr) add_bias(s, bias, valid);
+  const int64_t full = round_up(valid, W);  // within the row's kAlign-padded buffer
+  std::fill(s + valid, s + full, kNegInf);
+  Vec<T> vmax(kNegInf);
+  for (int64_t d = 0; d < full; d += W) vmax = at::vec::maximum(vmax, Vec<T>::loadu(s + d));
+  const T m_new = max_propagating_nan(m, reduce_max(vmax));
+  const T m_safe = m_new == kNegInf ? T(0) : m_new;  // no visible key yet: exp(-inf - 0) = 0
+  const Vec<T> vm(m_safe);
+  Vec<T> vsum(T(0));
+  for (int64_t d = 0; d < full; d += W) {
+    const Vec<T> e = exp_vec(Vec<T>::loadu(s + d) - vm);
+    e.store(s + d);
+    vsum = vsum + e;
+  }
+  if (width > full) std::fill(s + full, s + width, T(0));
+  const T alpha = std::exp(m - m_safe);
+  l = l * alpha + reduce_sum(vsum);
+  m = m_new;
+  return alpha;
+}
+
+// One query row of the dQ pass: P = exp(s + bias - lse) on the visible columns
+// [0, valid), 0 on [valid, width); dS = P ⊙ (dp - delta) is written over dp.
+template <typename T>
+inline void dscores_row(T* s, T* dp, int64_t valid, int64_t width, const T* bias, T lse, T delta) {
+  constexpr int64_t W = Vec<T>::size();
+  if (bias != nullptr) add_bias(s, bias, valid);
+  const int64_t full = round_up(valid, W);
+  std::fill(s + valid, s + full, -std::numeric_limits<T>::infinity());
+  const Vec<T> vlse(lse), vdelta(delta);
+  for (int64_t d = 0; d < full; d += W) {
+    const Vec<T> p = exp_vec(Vec<T>::loadu(s + d) - vlse);
+    (p * (Vec<T>::loadu(dp + d) - vdelta)).store(dp + d);
+  }
+  if (width > full) std::fill(dp + full, dp + width, T(0));
+}
+
+// One key row of the transposed dK/dV tile: Pᵀ = exp(s - lse[c]) over the
+// columns (queries) [first, width), 0 on [0, first); dSᵀ = Pᵀ ⊙ (dp - delta[c])
+// over dp. Padding columns have lse = +inf and delta = 0, so they come out 0.
+template <typename T>
+inline void dscores_key_row(T* s, T* dp, int64_t first, int64_t width, const T* lse, const T* delta) {
+  constexpr int64_t W = Vec<T>::size();
+  for (int64_t c = first / W * W; c < width; c += W) {
+    const Vec<T> p = exp_vec(Vec<T>::loadu(s + c) - Vec<T>::loadu(lse + c));
+    p.store(s + c);
+    (p * (Vec<T>::loadu(dp + c) - Vec<T>::loadu(delta + c))).store(dp + c);
+  }
+  std::fill(s, s + first, T(0));
+  std::fill(dp, dp + first, T(0));
+}
+
+// ---------------------------------------------------------------- forward
+
+template <typename scalar_t>
+void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& bias_t, at::Tensor& out, at::Tensor& lse) {
+  using T = at::opmath_type<scalar_t>;
+  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
+  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  T* lse_data = lse.mutable_data_ptr<T>();
+  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, kBlockQ);
+  const T scale = static_cast<T>(p.scale);
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+  at::parallel_for(0, p.batch * p.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> qs(kBlockQ * dhp), acc(kBlockQ * dhp), s(kBlockQ * kTileK), m(kBlockQ), l(kBlockQ);
+    std::vector<T> krows(kTileK * dhp), kt(dhp * kTileK), vrows(kTileK * dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+      const int64_t i0 = balanced_tile(item % blocks, blocks) * kBlockQ, rows = std::min(kBlockQ, p.tq - i0);
+      load_rows(Q, b, h, i0, rows, dh, scale, qs.data(), dhp);
+      std::fill(acc.begin(), acc.end(), T(0));
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), T(0));
+      const int64_t kv_end = p.key_end(i0 + rows - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += kTileK) {
+        const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
+        // Rows above r0 see none of these keys (rounded down to keep GEMM shapes few).
+        const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
+        load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
+        transpose_padded(krows.data(), dhp, n, dh, kt.data(), kTileK, n_padded);
+        load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
+        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
+             false);
+        const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
+        for (int64_t r = r0; r < rows; ++r) {
+          const int64_t valid = std::min(p.key_end(i0 + r) - k0, n);
+          const T alpha = softmax_update_row(s.data() + r * kTileK, std::max<int64_t>(valid, 0), n, bias, m[r], l[r]);
+          if (alpha != T(1)) {
+            at::vec::map([alpha](Vec<T> x) { return x * Vec<T>(alpha); }, acc.data() + r * dhp, acc.data() + r * dhp,
+                         dhp);
+          }
+        }
+        gemm(rows - r0, dhp, n, s.data() + r0 * kTileK, kTileK, vrows.data(), dhp, acc.data() + r0 * dhp, dhp, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = bh * p.tq + i0 + r;
+        const T inv = l[r] == T(0) ? T(0) : T(1) / l[r];  // no visible key: output 0
+        lse_data[row] = l[r] == T(0) ? kNegInf : m[r] + std::log(l[r]);
+        store_row(acc.data() + r * dhp, dh, inv, out_data + row * dh);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- backward
+
+// delta[row] = <dO[row], O[row]> - dlse[row] and the lse the backward uses:
+// +inf for rows that see no key (lse = -inf), so that their P = exp(s - lse) = 0.
+template <typename scalar_t>
+void backward_row_terms(const Problem& p, const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                        const at::Tensor& grad_lse, at::Tensor& delta, at::Tensor& lse_used) {
+  using T = at::opmath_type<scalar_t>;
+  const auto dO = head_rows<scalar_t>(grad_out), O = head_rows<scalar_t>(out);
+  const T* lse_in = lse.const_data_ptr<T>();
+  const T* dlse = grad_lse.defined() ? grad_lse.const_data_ptr<T>() : nullptr;
+  T* delta_out = delta.mutable_data_ptr<T>();
+  T* lse_out = lse_used.mutable_data_ptr<T>();
+  const int64_t dh = p.dh, dhp = p.dh_padded;
+  at::parallel_for(0, p.batch * p.heads * p.tq, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> a(dhp), c(dhp);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row % p.tq, h = (row / p.tq) % p.heads, b = row / (p.tq * p.heads);
+      load_row(dO.row(b, h, t), dh, T(1), a.data(), dhp);
+      load_row(O.row(b, h, t), dh, T(1), c.data(), dhp);
+      Vec<T> acc(T(0));
+      for (int64_t d = 0; d < dhp; d += Vec<T>::size())
+        acc = at::vec::fmadd(Vec<T>::loadu(a.data() + d), Vec<T>::loadu(c.data() + d), acc);
+      delta_out[row] = reduce_sum(acc) - (dlse != nullptr ? dlse[row] : T(0));
+      lse_out[row] = lse_in[row] == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity()
+                                                                         : lse_in[row];
+    }
+  });
+}
+
+// dK and dV: one program per (batch, kv head, block of kBlockK keys).
+template <typename scalar_t>
+void attention_backward_kv(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& grad_out, const at::Tensor& bias_t, const at::Tensor& lse_used,
+                           const at::Tensor& delta, at::Tensor& grad_k, at::Tensor& grad_v) {
+  using T = at::opmath_type<scalar_t>;
+  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
+  const auto dO = head_rows<scalar_t>(grad_out);
+  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
+  const T* lse_rows = lse_used.const_data_ptr<T>();
+  const T* delta_rows = delta.const_data_ptr<T>();
+  scalar_t* dk_data = grad_k.mutable_data_ptr<scalar_t>();
+  scalar_t* dv_data = grad_v.mutable_data_ptr<scalar_t>();
+  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tk, kBlockK);
+  const T scale = static_cast<T>(p.scale);
+
+  at::parallel_for(0, p.batch * p.kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> krows(kBlockK * dhp), vrows(kBlockK * dhp), dk(kBlockK * dhp), dv(kBlockK * dhp);
+    std::vector<T> st(kBlockK * kTileQ), dpt(kBlockK * kTileQ);
+    std::vector<T> qs(kTileQ * dhp), qst(dhp * kTileQ), dorows(kTileQ * dhp), dot(dhp * kTileQ);
+    std::vector<T> lse_tile(kTileQ), delta_tile(kTileQ);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bhk = item / blocks, b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
+      const int64_t k0 = balanced_tile(item % blocks, blocks) * kBlockK, n = std::min(kBlockK, p.tk - k0);
+      load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
+      load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
+      std::fill(dk.begin(), dk.end(), T(0));
+      std::fill(dv.begin(), dv.end(), T(0));
+      for (int64_t g = 0; g < p.group; ++g) {
+        const int64_t h = hk * p.group + g;
+        for (int64_t i0 = p.query_begin(k0); i0 < p.tq; i0 += kTileQ) {
+          const int64_t m = std::min(kTileQ, p.tq - i0), m_padded = round_up(m, kAlign);
+          // Keys of the block that some query of the tile sees.
+          const int64_t n_vis = std::min(p.key_end(i0 + m - 1) - k0, n);
+          load_rows(Q, b, h, i0, m, dh, scale, qs.data(), dhp);
+          transpose_padded(qs.data(), dhp, m, dh, qst.data(), kTileQ, m_padded);
+          load_rows(dO, b, h, i0, m, dh, T(1), dorows.data(), dhp);
+          transpose_padded(dorows.data(), dhp, m, dh, dot.data(), kTileQ, m_padded);
+          const int64_t row0 = (b * p.heads + h) * p.tq + i0;
+          std::copy(lse_rows + row0, lse_rows + row0 + m, lse_tile.begin());
+          std::fill(lse_tile.begin() + m, lse_tile.end(), std::numeric_limits<T>::infinity());
+          std::copy(delta_rows + row0, delta_rows + row0 + m, delta_tile.begin());
+          std::fill(delta_tile.begin() + m, delta_tile.end(), T(0));
+          gemm(n_vis, m_padded, dh, krows.data(), dhp, qst.data(), kTileQ, st.data(), kTileQ, false);
+          gemm(n_vis, m_padded, dh, vrows.data(), dhp, dot.data(), kTileQ, dpt.data(), kTileQ, false);
+          for (int64_t kk = 0; kk < n_vis; ++kk) {
+            T* s_row = st.data() + kk * kTileQ;
+            T* dp_row = dpt.data() + kk * kTileQ;
+            if (key_bias != nullptr && key_bias[b * p.tk + k0 + kk] != T(0)) {  // a padding key
+              std::fill(s_row, s_row + m_padded, T(0));
+              std::fill(dp_row, dp_row + m_padded, T(0));
+              continue;
+            }
+            const int64_t first = std::min(p.query_begin(k0 + kk) > i0 ? p.query_begin(k0 + kk) - i0 : 0, m);
+            dscores_key_row(s_row, dp_row, first, m_padded, lse_tile.data(), delta_tile.data());
+          }
+          gemm(n_vis, dhp, m, st.data(), kTileQ, dorows.data(), dhp, dv.data(), dhp, true);
+          gemm(n_vis, dhp, m, dpt.data(), kTileQ, qs.data(), dhp, dk.data(), dhp, true);
+        }
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        const int64_t row = bhk * p.tk + k0 + r;
+        store_row(dk.data() + r * dhp, dh, T(1), dk_data + row * dh);
+        store_row(dv.data() + r * dhp, dh, T(1), dv_data + row * dh);
+      }
+    }
+  });
+}
+
+// dQ: one program per (batch, head, block of kBlockQ queries).
+template <typename scalar_t>
+void attention_backward_q(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& grad_out, const at::Tensor& bias_t, const at::Tensor& lse_used,
+                          const at::Tensor& delta, at::Tensor& grad_q) {
+  using T = at::opmath_type<scalar_t>;
+  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
+  const auto dO = head_rows<scalar_t>(grad_out);
+  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
+  const T* lse_rows = lse_used.const_data_ptr<T>();
+  const T* delta_rows = delta.const_data_ptr<T>();
+  scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
+  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, kBlockQ);
+  const T scale = static_cast<T>(p.scale);
+
+  at::parallel_for(0, p.batch * p.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> qs(kBlockQ * dhp), dorows(kBlockQ * dhp), dq(kBlockQ * dhp);
+    std::vector<T> s(kBlockQ * kTileK), dp(kBlockQ * kTileK);
+    std::vector<T> krows(kTileK * dhp), kt(dhp * kTileK), vrows(kTileK * dhp), vt(dhp * kTileK);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+      const int64_t i0 = balanced_tile(item % blocks, blocks) * kBlockQ, rows = std::min(kBlockQ, p.tq - i0);
+      load_rows(Q, b, h, i0, rows, dh, scale, qs.data(), dhp);
+      load_rows(dO, b, h, i0, rows, dh, T(1), dorows.data(), dhp);
+      std::fill(dq.begin(), dq.end(), T(0));
+      const T* lse_block = lse_rows + bh * p.tq + i0;
+      const T* delta_block = delta_rows + bh * p.tq + i0;
+      const int64_t kv_end = p.key_end(i0 + rows - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += kTileK) {
+        const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
+        const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
+        load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
+        transpose_padded(krows.data(), dhp, n, dh, kt.data(), kTileK, n_padded);
+        load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
+        transpose_padded(vrows.data(), dhp, n, dh, vt.data(), kTileK, n_padded);
+        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
+             false);
+        gemm(rows - r0, n_padded, dh, dorows.data() + r0 * dhp, dhp, vt.data(), kTileK, dp.data() + r0 * kTileK, kTileK,
+             false);
+        const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
+        for (int64_t r = r0; r < rows; ++r) {
+          const int64_t valid = std::clamp<int64_t>(p.key_end(i0 + r) - k0, 0, n);
+          dscores_row(s.data() + r * kTileK, dp.data() + r * kTileK, valid, n, bias, lse_block[r], delta_block[r]);
+        }
+        gemm(rows - r0, dhp, n, dp.data() + r0 * kTileK, kTileK, krows.data(), dhp, dq.data() + r0 * dhp, dhp, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        store_row(dq.data() + r * dhp, dh, scale, dq_data + (bh * p.tq + i0 + r) * dh);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- op entry points
+
+std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const c10::optional<at::Tensor>& key_padding_mask, bool causal,
+                                                double scale) {
+  const Problem p = check_problem(q, k, v, key_padding_mask, causal, scale);
+  const auto acc = accumulation_type(q.scalar_type());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({p.batch, p.heads, p.tq}, q.options().dtype(acc));
+  const at::Tensor bias = key_bias(key_padding_mask, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_fwd_cpu", [&] {
+    attention_forward<scalar_t>(p, unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), bias, out, lse);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const c10::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale) {
+  const Problem p = check_problem(q, k, v, key_padding_mask, causal, scale);
+  const auto acc = accumulation_type(q.scalar_type());
+  for (const auto* t : {&grad_out, &out}) {
+    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type(),
+                "attn_bwd: grad_out and out must be like q: ", q.sizes(), " ", q.scalar_type(), ", got ", t->sizes(),
+                " ", t->scalar_type());
+  }
+  const std::vector<int64_t> row_shape = {p.batch, p.heads, p.tq};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(row_shape) && lse.scalar_type() == acc, "attn_bwd: lse must be ",
+              at::IntArrayRef(row_shape), " ", acc, ", got ", lse.sizes(), " ", lse.scalar_type());
+  at::Tensor dlse;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(row_shape) && at::isFloatingType(grad_lse->scalar_type()),
+                "attn_bwd: grad_lse must be a floating ", at::IntArrayRef(row_shape), " tensor, got ",
+                grad_lse->sizes(), " ", grad_lse->scalar_type());
+    dlse = grad_lse->to(acc).contiguous();
+  }
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor delta = at::empty(row_shape, q.options().dtype(acc));
+  at::Tensor lse_used = at::empty(row_shape, q.options().dtype(acc));
+  const at::Tensor bias = key_bias(key_padding_mask, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_bwd_cpu", [&] {
+    const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
+    const at::Tensor do_ = unit_last_stride(grad_out);
+    backward_row_terms<scalar_t>(p, do_, unit_last_stride(out), lse.contiguous(), dlse, delta, lse_used);
+    attention_backward_kv<scalar_t>(p, q_, k_, v_, do_, bias, lse_used, delta, grad_k, grad_v);
+    attention_backward_q<scalar_t>(p, q_, k_, v_, do_, bias, lse_used, delta, grad_q);
+  });
+  return {grad_q, grad_k, grad_v};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  m.impl("attn_fwd", &attn_fwd_cpu);
+  m.impl("attn_bwd", &attn_bwd_cpu);
+}
+
+}  // namespace attnres
