@@ -7,15 +7,12 @@
 // kTileK (online softmax). Nothing of size T×T is ever stored; the saved lse
 // (fp32, fp64 for fp64 inputs) lets the backward recompute the probabilities.
 //
-// Backward, in two passes without atomics (so the result does not depend on
-// the number of threads or on scheduling):
-//   dK/dV pass: a program owns kBlockK keys of one kv head and walks the query
-//     tiles of every head of its group (GQA sums over the group), computing
-//     the tile transposed: Sᵀ = K Qsᵀ, Pᵀ = exp(Sᵀ - lse), dPᵀ = V dOᵀ,
-//     dSᵀ = Pᵀ ⊙ (dPᵀ - δ), dV += Pᵀ dO, dK += dSᵀ Qs;
-//   dQ pass: a program owns kBlockQ query rows of one head and walks the key
-//     tiles: S = Qs Kᵀ, P = exp(S - lse), dP = dO Vᵀ, dS = P ⊙ (dP - δ), dQ += dS K · scale;
-// with Qs = q · scale and δ = rowsum(dO ⊙ O) - dlse from a first row pass.
+// Backward (see "backward" below): pairs of a query tile and a key block,
+// computed with the keys on the rows (Sᵀ = K Qsᵀ, Pᵀ = exp(Sᵀ - lse),
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ)) and consumed by dV += Pᵀ dO, dK += dSᵀ Qs,
+// dQᵀ += Kᵀ dSᵀ, with Qs = q · scale and δ = rowsum(dO ⊙ O) - dlse from a first
+// row pass. No atomics: every output tile is summed by one program in a fixed
+// order, so the result does not depend on the number of threads.
 //
 // Causal masks (query i sees keys j <= i + Tk - Tq) skip every tile above the
 // diagonal: a query block stops at its last visible key, a key block starts at
@@ -49,9 +46,10 @@ namespace {
 template <typename T>
 using Vec = at::vec::Vectorized<T>;
 
-// Tile sizes (rows). The forward and the dQ pass: kBlockQ query rows per
-// program, keys in tiles of kTileK. The dK/dV pass: kBlockK keys per program,
-// queries in tiles of kTileQ. Buffer widths are padded to multiples of kAlign.
+// Tile sizes (rows). Forward: kBlockQ query rows per program, keys in tiles of
+// kTileK. Backward: pairs of kTileQ queries and kBlockK keys (the split dQ
+// pass groups kBlockQ / kTileQ query tiles per program). Buffer widths are
+// padded to multiples of kAlign.
 constexpr int64_t kBlockQ = 256;
 constexpr int64_t kTileK = 64;
 constexpr int64_t kBlockK = 256;
@@ -293,25 +291,26 @@ inline void gemm_vec(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, c
   for (; i < M; ++i) gemm_row_block<T, 1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
 }
 
-inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb,
-                 double* C, int64_t ldc, bool accumulate) {
+inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+                 int64_t ldc, bool accumulate) {
   if (M <= 0) return;
   gemm_vec<double>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
+// float tiles go through oneDNN's batch-reduce GEMM micro-kernel
+// (at::native::cpublas::brgemm; plain BLAS sgemm where PyTorch is built without
+// oneDNN): measured 20-25% faster than gemm_vec on the tile shapes used here
+// (benchmarks/results/attention_cpu.md). There is no fp64 brgemm; fp64 (tests,
+// gradcheck) uses gemm_vec.
 inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                  int64_t ldc, bool accumulate) {
   if (M <= 0) return;
-#if defined(ATTNRES_ATTENTION_VEC_GEMM)
-  gemm_vec<float>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
-#else
   if (K == 0) {
     if (!accumulate)
       for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
     return;
   }
   at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
-#endif
 }
 
 // ---------------------------------------------------------------- softmax rows
@@ -345,22 +344,6 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
   l = l * alpha + reduce_sum(vsum);
   m = m_new;
   return alpha;
-}
-
-// One query row of the dQ pass: P = exp(s + bias - lse) on the visible columns
-// [0, valid), 0 on [valid, width); dS = P ⊙ (dp - delta) is written over dp.
-template <typename T>
-inline void dscores_row(T* s, T* dp, int64_t valid, int64_t width, const T* bias, T lse, T delta) {
-  constexpr int64_t W = Vec<T>::size();
-  if (bias != nullptr) add_bias(s, bias, valid);
-  const int64_t full = round_up(valid, W);
-  std::fill(s + valid, s + full, -std::numeric_limits<T>::infinity());
-  const Vec<T> vlse(lse), vdelta(delta);
-  for (int64_t d = 0; d < full; d += W) {
-    const Vec<T> p = exp_vec(Vec<T>::loadu(s + d) - vlse);
-    (p * (Vec<T>::loadu(dp + d) - vdelta)).store(dp + d);
-  }
-  if (width > full) std::fill(dp + full, dp + width, T(0));
 }
 
 // One key row of the transposed dK/dV tile: Pᵀ = exp(s - lse[c]) over the
@@ -434,6 +417,51 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 }
 
 // ---------------------------------------------------------------- backward
+//
+// The backward works on pairs (query tile i: kTileQ rows of one head; key block
+// j: kBlockK keys of its kv head) of a fixed grid (i0 a multiple of kTileQ, k0
+// of kBlockK), always with the keys on the rows:
+//   Sᵀ = K_j Qs_iᵀ, Pᵀ = exp(Sᵀ - lse_i), dPᵀ = V_j dO_iᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ_i),
+// consumed by dV_j += Pᵀ dO_i, dK_j += dSᵀ Qs_i and dQ_iᵀ += K_jᵀ dSᵀ (· scale at
+// the end). Two schedules give bit-identical results: every pair is computed by
+// the same code, and dQ_i sums its pairs in ascending j with the same GEMMs.
+//   fused: one program per (batch, kv head) runs each pair once (5 GEMMs) and
+//     keeps dQᵀ of its head group in a per-thread buffer (G·Tq·Dh values);
+//   split: one program per (batch, kv head, key block) for dK/dV (4 GEMMs per
+//     pair) and one per (batch, head, kBlockQ queries) for dQ (3 GEMMs per pair:
+//     Sᵀ and dPᵀ are recomputed).
+// The fused schedule does 5/7 of the work in B·Hkv programs; the split one has
+// more programs to spread over the threads. The choice depends on the thread
+// count; the result does not.
+
+template <typename T>
+struct KeyBlock {  // kBlockK keys of one kv head: K and V rows, and Kᵀ for the dQ GEMM
+  std::vector<T> k, v, kt;
+  int64_t k0 = 0, n = 0;
+  explicit KeyBlock(int64_t dhp) : k(kBlockK * dhp), v(kBlockK * dhp), kt(dhp * kBlockK) {}
+};
+
+template <typename T>
+struct QueryTile {  // kTileQ queries of one head: Qs = q · scale and dO as rows and transposed, lse and δ
+  std::vector<T> qs, qst, d_o, d_ot, lse, delta;
+  int64_t i0 = 0, m = 0, m_padded = 0;
+  explicit QueryTile(int64_t dhp)
+      : qs(kTileQ * dhp), qst(dhp * kTileQ), d_o(kTileQ * dhp), d_ot(dhp * kTileQ), lse(kTileQ), delta(kTileQ) {}
+};
+
+template <typename T>
+struct PairTiles {  // Pᵀ and dSᵀ of one pair, [kBlockK, kTileQ]
+  std::vector<T> pt = std::vector<T>(kBlockK * kTileQ), dst = std::vector<T>(kBlockK * kTileQ);
+};
+
+template <typename scalar_t>
+struct BackwardInputs {
+  using T = at::opmath_type<scalar_t>;
+  HeadRows<scalar_t> q, k, v, grad_out;
+  const T* key_bias;  // [B, Tk] or null
+  const T* lse;       // [B, H, Tq], +inf for rows that see no key
+  const T* delta;     // [B, H, Tq]
+};
 
 // delta[row] = <dO[row], O[row]> - dlse[row] and the lse the backward uses:
 // +inf for rows that see no key (lse = -inf), so that their P = exp(s - lse) = 0.
@@ -447,6 +475,7 @@ void backward_row_terms(const Problem& p, const at::Tensor& grad_out, const at::
   T* delta_out = delta.mutable_data_ptr<T>();
   T* lse_out = lse_used.mutable_data_ptr<T>();
   const int64_t dh = p.dh, dhp = p.dh_padded;
+  constexpr T kInf = std::numeric_limits<T>::infinity();
   at::parallel_for(0, p.batch * p.heads * p.tq, 64, [&](int64_t begin, int64_t end) {
     std::vector<T> a(dhp), c(dhp);
     for (int64_t row = begin; row < end; ++row) {
@@ -457,129 +486,178 @@ void backward_row_terms(const Problem& p, const at::Tensor& grad_out, const at::
       for (int64_t d = 0; d < dhp; d += Vec<T>::size())
         acc = at::vec::fmadd(Vec<T>::loadu(a.data() + d), Vec<T>::loadu(c.data() + d), acc);
       delta_out[row] = reduce_sum(acc) - (dlse != nullptr ? dlse[row] : T(0));
-      lse_out[row] = lse_in[row] == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity()
-                                                                         : lse_in[row];
+      lse_out[row] = lse_in[row] == -kInf ? kInf : lse_in[row];
     }
   });
 }
 
-// dK and dV: one program per (batch, kv head, block of kBlockK keys).
+template <typename scalar_t, typename T>
+void load_key_block(KeyBlock<T>& kb, const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk,
+                    int64_t k0, bool with_transpose) {
+  kb.k0 = k0;
+  kb.n = std::min(kBlockK, p.tk - k0);
+  load_rows(in.k, b, hk, k0, kb.n, p.dh, T(1), kb.k.data(), p.dh_padded);
+  load_rows(in.v, b, hk, k0, kb.n, p.dh, T(1), kb.v.data(), p.dh_padded);
+  if (with_transpose) transpose_padded(kb.k.data(), p.dh_padded, kb.n, p.dh, kb.kt.data(), kBlockK, kb.n);
+}
+
+template <typename scalar_t, typename T>
+void load_query_tile(QueryTile<T>& qt, const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t h,
+                     int64_t i0) {
+  const int64_t dh = p.dh, dhp = p.dh_padded;
+  qt.i0 = i0;
+  qt.m = std::min(kTileQ, p.tq - i0);
+  qt.m_padded = round_up(qt.m, kAlign);
+  load_rows(in.q, b, h, i0, qt.m, dh, static_cast<T>(p.scale), qt.qs.data(), dhp);
+  transpose_padded(qt.qs.data(), dhp, qt.m, dh, qt.qst.data(), kTileQ, qt.m_padded);
+  load_rows(in.grad_out, b, h, i0, qt.m, dh, T(1), qt.d_o.data(), dhp);
+  transpose_padded(qt.d_o.data(), dhp, qt.m, dh, qt.d_ot.data(), kTileQ, qt.m_padded);
+  const int64_t row0 = (b * p.heads + h) * p.tq + i0;
+  std::copy(in.lse + row0, in.lse + row0 + qt.m, qt.lse.begin());  // padding: +inf, so P = 0
+  std::fill(qt.lse.begin() + qt.m, qt.lse.end(), std::numeric_limits<T>::infinity());
+  std::copy(in.delta + row0, in.delta + row0 + qt.m, qt.delta.begin());
+  std::fill(qt.delta.begin() + qt.m, qt.delta.end(), T(0));
+}
+
+// Pᵀ and dSᵀ of one pair. Returns n_vis, the number of leading keys of the block
+// that some query of the tile sees (0: the pair contributes nothing).
+template <typename T>
+int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBlock<T>& kb, const QueryTile<T>& qt,
+                     PairTiles<T>& pair) {
+  const int64_t n_vis = std::min(p.key_end(qt.i0 + qt.m - 1) - kb.k0, kb.n);
+  if (n_vis <= 0) return 0;
+  const int64_t dhp = p.dh_padded;
+  gemm(n_vis, qt.m_padded, p.dh, kb.k.data(), dhp, qt.qst.data(), kTileQ, pair.pt.data(), kTileQ, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.v.data(), dhp, qt.d_ot.data(), kTileQ, pair.dst.data(), kTileQ, false);
+  for (int64_t kk = 0; kk < n_vis; ++kk) {
+    T* p_row = pair.pt.data() + kk * kTileQ;
+    T* ds_row = pair.dst.data() + kk * kTileQ;
+    if (key_bias != nullptr && key_bias[b * p.tk + kb.k0 + kk] != T(0)) {  // a padding key
+      std::fill(p_row, p_row + qt.m_padded, T(0));
+      std::fill(ds_row, ds_row + qt.m_padded, T(0));
+      continue;
+    }
+    const int64_t first = std::clamp<int64_t>(p.query_begin(kb.k0 + kk) - qt.i0, 0, qt.m);
+    dscores_key_row(p_row, ds_row, first, qt.m_padded, qt.lse.data(), qt.delta.data());
+  }
+  return n_vis;
+}
+
+// dQᵀ_i += K_jᵀ dSᵀ for one pair; dqt is the tile's [Dh, kTileQ] accumulator.
+template <typename T>
+inline void accumulate_dq(const Problem& p, const KeyBlock<T>& kb, const QueryTile<T>& qt, const PairTiles<T>& pair,
+                          int64_t n_vis, T* dqt) {
+  gemm(p.dh, qt.m_padded, n_vis, kb.kt.data(), kBlockK, pair.dst.data(), kTileQ, dqt, kTileQ, true);
+}
+
+// dQ rows [i0, i0 + m) of head (b, h) from the tile's dQᵀ accumulator (times scale).
+template <typename scalar_t, typename T>
+void store_dq_tile(const Problem& p, T* dqt, int64_t b, int64_t h, int64_t i0, T* rows, scalar_t* grad_q) {
+  const int64_t m = std::min(kTileQ, p.tq - i0), dhp = p.dh_padded;
+  transpose_padded(dqt, kTileQ, p.dh, m, rows, dhp, p.dh);
+  for (int64_t r = 0; r < m; ++r) {
+    store_row(rows + r * dhp, p.dh, static_cast<T>(p.scale), grad_q + ((b * p.heads + h) * p.tq + i0 + r) * p.dh);
+  }
+}
+
+// dK and dV of one key block, from every query tile of every head of the group
+// that sees it; with dqt ([G, Tq / kTileQ tiles, Dh, kTileQ]) also the dQᵀ
+// contributions of these pairs.
+template <typename scalar_t, typename T>
+void key_block_grads(const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk, int64_t k0,
+                     KeyBlock<T>& kb, QueryTile<T>& qt, PairTiles<T>& pair, T* dk, T* dv, T* dqt, scalar_t* grad_k,
+                     scalar_t* grad_v) {
+  const int64_t dh = p.dh, dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ);
+  load_key_block(kb, p, in, b, hk, k0, dqt != nullptr);
+  std::fill(dk, dk + kBlockK * dhp, T(0));
+  std::fill(dv, dv + kBlockK * dhp, T(0));
+  for (int64_t g = 0; g < p.group; ++g) {
+    const int64_t h = hk * p.group + g;
+    for (int64_t tile = p.query_begin(k0) / kTileQ; tile < q_tiles; ++tile) {
+      load_query_tile(qt, p, in, b, h, tile * kTileQ);
+      const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, qt, pair);
+      if (n_vis == 0) continue;
+      gemm(n_vis, dhp, qt.m, pair.pt.data(), kTileQ, qt.d_o.data(), dhp, dv, dhp, true);
+      gemm(n_vis, dhp, qt.m, pair.dst.data(), kTileQ, qt.qs.data(), dhp, dk, dhp, true);
+      if (dqt != nullptr) accumulate_dq(p, kb, qt, pair, n_vis, dqt + (g * q_tiles + tile) * dhp * kTileQ);
+    }
+  }
+  for (int64_t r = 0; r < kb.n; ++r) {
+    const int64_t row = (b * p.kv_heads + hk) * p.tk + k0 + r;
+    store_row(dk + r * dhp, dh, T(1), grad_k + row * dh);
+    store_row(dv + r * dhp, dh, T(1), grad_v + row * dh);
+  }
+}
+
 template <typename scalar_t>
-void attention_backward_kv(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const at::Tensor& grad_out, const at::Tensor& bias_t, const at::Tensor& lse_used,
-                           const at::Tensor& delta, at::Tensor& grad_k, at::Tensor& grad_v) {
+void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at::Tensor& grad_q, at::Tensor& grad_k,
+                        at::Tensor& grad_v) {
   using T = at::opmath_type<scalar_t>;
-  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
-  const auto dO = head_rows<scalar_t>(grad_out);
-  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
-  const T* lse_rows = lse_used.const_data_ptr<T>();
-  const T* delta_rows = delta.const_data_ptr<T>();
+  scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
   scalar_t* dk_data = grad_k.mutable_data_ptr<scalar_t>();
   scalar_t* dv_data = grad_v.mutable_data_ptr<scalar_t>();
-  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tk, kBlockK);
-  const T scale = static_cast<T>(p.scale);
+  const int64_t dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ), key_blocks = ceil_div(p.tk, kBlockK);
+  const int64_t units = p.batch * p.kv_heads, threads = at::get_num_threads();
+  const bool fused = ceil_div(units, threads) * 5 * threads <= 7 * units;
 
-  at::parallel_for(0, p.batch * p.kv_heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> krows(kBlockK * dhp), vrows(kBlockK * dhp), dk(kBlockK * dhp), dv(kBlockK * dhp);
-    std::vector<T> st(kBlockK * kTileQ), dpt(kBlockK * kTileQ);
-    std::vector<T> qs(kTileQ * dhp), qst(dhp * kTileQ), dorows(kTileQ * dhp), dot(dhp * kTileQ);
-    std::vector<T> lse_tile(kTileQ), delta_tile(kTileQ);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t bhk = item / blocks, b = bhk / p.kv_heads, hk = bhk % p.kv_heads;
-      const int64_t k0 = balanced_tile(item % blocks, blocks) * kBlockK, n = std::min(kBlockK, p.tk - k0);
-      load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
-      load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
-      std::fill(dk.begin(), dk.end(), T(0));
-      std::fill(dv.begin(), dv.end(), T(0));
-      for (int64_t g = 0; g < p.group; ++g) {
-        const int64_t h = hk * p.group + g;
-        for (int64_t i0 = p.query_begin(k0); i0 < p.tq; i0 += kTileQ) {
-          const int64_t m = std::min(kTileQ, p.tq - i0), m_padded = round_up(m, kAlign);
-          // Keys of the block that some query of the tile sees.
-          const int64_t n_vis = std::min(p.key_end(i0 + m - 1) - k0, n);
-          load_rows(Q, b, h, i0, m, dh, scale, qs.data(), dhp);
-          transpose_padded(qs.data(), dhp, m, dh, qst.data(), kTileQ, m_padded);
-          load_rows(dO, b, h, i0, m, dh, T(1), dorows.data(), dhp);
-          transpose_padded(dorows.data(), dhp, m, dh, dot.data(), kTileQ, m_padded);
-          const int64_t row0 = (b * p.heads + h) * p.tq + i0;
-          std::copy(lse_rows + row0, lse_rows + row0 + m, lse_tile.begin());
-          std::fill(lse_tile.begin() + m, lse_tile.end(), std::numeric_limits<T>::infinity());
-          std::copy(delta_rows + row0, delta_rows + row0 + m, delta_tile.begin());
-          std::fill(delta_tile.begin() + m, delta_tile.end(), T(0));
-          gemm(n_vis, m_padded, dh, krows.data(), dhp, qst.data(), kTileQ, st.data(), kTileQ, false);
-          gemm(n_vis, m_padded, dh, vrows.data(), dhp, dot.data(), kTileQ, dpt.data(), kTileQ, false);
-          for (int64_t kk = 0; kk < n_vis; ++kk) {
-            T* s_row = st.data() + kk * kTileQ;
-            T* dp_row = dpt.data() + kk * kTileQ;
-            if (key_bias != nullptr && key_bias[b * p.tk + k0 + kk] != T(0)) {  // a padding key
-              std::fill(s_row, s_row + m_padded, T(0));
-              std::fill(dp_row, dp_row + m_padded, T(0));
-              continue;
-            }
-            const int64_t first = std::min(p.query_begin(k0 + kk) > i0 ? p.query_begin(k0 + kk) - i0 : 0, m);
-            dscores_key_row(s_row, dp_row, first, m_padded, lse_tile.data(), delta_tile.data());
+  if (fused) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      KeyBlock<T> kb(dhp);
+      QueryTile<T> qt(dhp);
+      PairTiles<T> pair;
+      std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp), dqt(p.group * q_tiles * dhp * kTileQ), rows(kTileQ * dhp);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / p.kv_heads, hk = unit % p.kv_heads;
+        std::fill(dqt.begin(), dqt.end(), T(0));
+        for (int64_t block = 0; block < key_blocks; ++block) {
+          key_block_grads(p, in, b, hk, block * kBlockK, kb, qt, pair, dk.data(), dv.data(), dqt.data(), dk_data,
+                          dv_data);
+        }
+        for (int64_t g = 0; g < p.group; ++g) {
+          for (int64_t tile = 0; tile < q_tiles; ++tile) {
+            store_dq_tile(p, dqt.data() + (g * q_tiles + tile) * dhp * kTileQ, b, hk * p.group + g, tile * kTileQ,
+                          rows.data(), dq_data);
           }
-          gemm(n_vis, dhp, m, st.data(), kTileQ, dorows.data(), dhp, dv.data(), dhp, true);
-          gemm(n_vis, dhp, m, dpt.data(), kTileQ, qs.data(), dhp, dk.data(), dhp, true);
         }
       }
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t row = bhk * p.tk + k0 + r;
-        store_row(dk.data() + r * dhp, dh, T(1), dk_data + row * dh);
-        store_row(dv.data() + r * dhp, dh, T(1), dv_data + row * dh);
-      }
+    });
+    return;
+  }
+
+  at::parallel_for(0, units * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    KeyBlock<T> kb(dhp);
+    QueryTile<T> qt(dhp);
+    PairTiles<T> pair;
+    std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t unit = item / key_blocks, b = unit / p.kv_heads, hk = unit % p.kv_heads;
+      const int64_t k0 = balanced_tile(item % key_blocks, key_blocks) * kBlockK;
+      key_block_grads(p, in, b, hk, k0, kb, qt, pair, dk.data(), dv.data(), static_cast<T*>(nullptr), dk_data, dv_data);
     }
   });
-}
-
-// dQ: one program per (batch, head, block of kBlockQ queries).
-template <typename scalar_t>
-void attention_backward_q(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                          const at::Tensor& grad_out, const at::Tensor& bias_t, const at::Tensor& lse_used,
-                          const at::Tensor& delta, at::Tensor& grad_q) {
-  using T = at::opmath_type<scalar_t>;
-  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
-  const auto dO = head_rows<scalar_t>(grad_out);
-  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
-  const T* lse_rows = lse_used.const_data_ptr<T>();
-  const T* delta_rows = delta.const_data_ptr<T>();
-  scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
-  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, kBlockQ);
-  const T scale = static_cast<T>(p.scale);
-
-  at::parallel_for(0, p.batch * p.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> qs(kBlockQ * dhp), dorows(kBlockQ * dhp), dq(kBlockQ * dhp);
-    std::vector<T> s(kBlockQ * kTileK), dp(kBlockQ * kTileK);
-    std::vector<T> krows(kTileK * dhp), kt(dhp * kTileK), vrows(kTileK * dhp), vt(dhp * kTileK);
+  constexpr int64_t tiles_per_block = kBlockQ / kTileQ;
+  const int64_t q_blocks = ceil_div(q_tiles, tiles_per_block);
+  at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    KeyBlock<T> kb(dhp);
+    std::vector<QueryTile<T>> tiles(tiles_per_block, QueryTile<T>(dhp));
+    PairTiles<T> pair;
+    std::vector<T> dqt(tiles_per_block * dhp * kTileQ), rows(kTileQ * dhp);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t bh = item / blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
-      const int64_t i0 = balanced_tile(item % blocks, blocks) * kBlockQ, rows = std::min(kBlockQ, p.tq - i0);
-      load_rows(Q, b, h, i0, rows, dh, scale, qs.data(), dhp);
-      load_rows(dO, b, h, i0, rows, dh, T(1), dorows.data(), dhp);
-      std::fill(dq.begin(), dq.end(), T(0));
-      const T* lse_block = lse_rows + bh * p.tq + i0;
-      const T* delta_block = delta_rows + bh * p.tq + i0;
-      const int64_t kv_end = p.key_end(i0 + rows - 1);
-      for (int64_t k0 = 0; k0 < kv_end; k0 += kTileK) {
-        const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
-        const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
-        load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
-        transpose_padded(krows.data(), dhp, n, dh, kt.data(), kTileK, n_padded);
-        load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
-        transpose_padded(vrows.data(), dhp, n, dh, vt.data(), kTileK, n_padded);
-        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
-             false);
-        gemm(rows - r0, n_padded, dh, dorows.data() + r0 * dhp, dhp, vt.data(), kTileK, dp.data() + r0 * kTileK, kTileK,
-             false);
-        const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
-        for (int64_t r = r0; r < rows; ++r) {
-          const int64_t valid = std::clamp<int64_t>(p.key_end(i0 + r) - k0, 0, n);
-          dscores_row(s.data() + r * kTileK, dp.data() + r * kTileK, valid, n, bias, lse_block[r], delta_block[r]);
+      const int64_t bh = item / q_blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+      const int64_t first_tile = balanced_tile(item % q_blocks, q_blocks) * tiles_per_block;
+      const int64_t count = std::min(tiles_per_block, q_tiles - first_tile);
+      for (int64_t t = 0; t < count; ++t) load_query_tile(tiles[t], p, in, b, h, (first_tile + t) * kTileQ);
+      std::fill(dqt.begin(), dqt.end(), T(0));
+      const int64_t kv_end = p.key_end(std::min((first_tile + count) * kTileQ, p.tq) - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += kBlockK) {
+        load_key_block(kb, p, in, b, hk, k0, true);
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, tiles[t], pair);
+          if (n_vis > 0) accumulate_dq(p, kb, tiles[t], pair, n_vis, dqt.data() + t * dhp * kTileQ);
         }
-        gemm(rows - r0, dhp, n, dp.data() + r0 * kTileK, kTileK, krows.data(), dhp, dq.data() + r0 * dhp, dhp, true);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        store_row(dq.data() + r * dhp, dh, scale, dq_data + (bh * p.tq + i0 + r) * dh);
+      for (int64_t t = 0; t < count; ++t) {
+        store_dq_tile(p, dqt.data() + t * dhp * kTileQ, b, h, (first_tile + t) * kTileQ, rows.data(), dq_data);
       }
     }
   });
@@ -629,11 +707,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
   at::Tensor lse_used = at::empty(row_shape, q.options().dtype(acc));
   const at::Tensor bias = key_bias(key_padding_mask, acc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_bwd_cpu", [&] {
+    using T = at::opmath_type<scalar_t>;
     const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
     const at::Tensor do_ = unit_last_stride(grad_out);
     backward_row_terms<scalar_t>(p, do_, unit_last_stride(out), lse.contiguous(), dlse, delta, lse_used);
-    attention_backward_kv<scalar_t>(p, q_, k_, v_, do_, bias, lse_used, delta, grad_k, grad_v);
-    attention_backward_q<scalar_t>(p, q_, k_, v_, do_, bias, lse_used, delta, grad_q);
+    const BackwardInputs<scalar_t> in{head_rows<scalar_t>(q_),
+                                      head_rows<scalar_t>(k_),
+                                      head_rows<scalar_t>(v_),
+                                      head_rows<scalar_t>(do_),
+                                      bias.defined() ? bias.const_data_ptr<T>() : nullptr,
+                                      lse_used.const_data_ptr<T>(),
+                                      delta.const_data_ptr<T>()};
+    attention_backward<scalar_t>(p, in, grad_q, grad_k, grad_v);
   });
   return {grad_q, grad_k, grad_v};
 }
