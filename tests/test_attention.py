@@ -168,9 +168,10 @@ def test_rows_without_keys_are_zero_not_nan(backend):
 
 
 @pytest.mark.parametrize("backend", FUSED)
-@pytest.mark.parametrize("tq,tk", [(0, 5), (5, 0), (0, 0)])
-def test_empty_sequences(backend, tq, tk):
-    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 1, tq, tk, 8, torch.float32))
+@pytest.mark.parametrize("batch,heads,tq,tk", [(2, 2, 0, 5), (2, 2, 5, 0), (2, 2, 0, 0), (0, 2, 3, 3), (2, 0, 3, 3)])
+def test_empty_inputs(backend, batch, heads, tq, tk):
+    """Empty batches, heads or sequences are valid: empty outputs; with no keys, 0 and lse = -inf."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, heads, 1, tq, tk, 8, torch.float32))
     out, lse = ak.attention(q, k, v, return_lse=True, backend=backend)
     expected_out, expected_lse = reference.attention(q, k, v, return_lse=True)
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
@@ -298,12 +299,27 @@ def test_cpu_compile_fullgraph_matches_eager():
 # ---------------------------------------------------------------- backend selection and bad input
 
 
-def test_explicit_backend_that_cannot_run_raises():
-    q, k, v = make_qkv(1, 2, 1, 4, 4, 300, torch.float32)
+@pytest.fixture
+def no_kernel(monkeypatch):
+    """Makes any fused-kernel launch fail the test: errors must come from validation."""
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the bad input was rejected")
+
+    monkeypatch.setattr(ops._dispatch, "fused_op", lambda backend, name: launched)
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_head_size_beyond_the_fused_limit_raises_before_any_kernel(no_kernel, backend):
+    q, k, v = make_qkv(1, 2, 1, 4, 4, attention_ops.MAX_HEAD_DIM + 1, torch.float32)
     with pytest.raises(ak.BackendUnavailableError, match="Dh <= 256"):
-        ak.attention(q, k, v, backend="cpu")
+        ak.attention(q, k, v, backend=backend)
+
+
+def test_explicit_backend_that_cannot_run_raises(no_kernel):
+    q, k, v = make_qkv(1, 2, 1, 4, 4, 8, torch.float32)
     with pytest.raises(ak.BackendUnavailableError, match="cuda"):
-        ak.attention(q[..., :8], k[..., :8], v[..., :8], backend="cuda")
+        ak.attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="unknown backend"):
         ak.attention(q, k, v, backend="fastest")
 
@@ -314,16 +330,6 @@ def test_auto_falls_back_to_the_reference_beyond_the_head_size_limit():
         warnings.simplefilter("always")
         assert attnres_ops_called(lambda: ak.attention(q, k, v)) == set()
         torch.testing.assert_close(ak.attention(q, k, v), reference.attention(q, k, v))
-
-
-@pytest.fixture
-def no_kernel(monkeypatch):
-    """Makes any fused-kernel launch fail the test: errors must come from validation."""
-
-    def launched(*args, **kwargs):
-        raise AssertionError("a kernel was launched before the bad input was rejected")
-
-    monkeypatch.setattr(ops._dispatch, "fused_op", lambda backend, name: launched)
 
 
 def _qkv(q=(2, 4, 5, 8), kv=(2, 2, 6, 8), dtype=torch.float32):
