@@ -8,9 +8,9 @@
 // (fp32, fp64 for fp64 inputs) lets the backward recompute the probabilities.
 //
 // Backward (see "backward" below): pairs of a query tile and a key block,
-// computed with the keys on the rows (Sᵀ = K Qsᵀ, Pᵀ = exp(Sᵀ - lse),
-// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ)) and consumed by dV += Pᵀ dO, dK += dSᵀ Qs,
-// dQᵀ += Kᵀ dSᵀ, with Qs = q · scale and δ = rowsum(dO ⊙ O) - dlse from a first
+// computed with the keys on the rows (Sᵀ = K qᵀ, Pᵀ = exp(Sᵀ · scale - lse),
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ)) and consumed by dV += Pᵀ dO, dK += dSᵀ q,
+// dQᵀ += Kᵀ dSᵀ (dK, dQ times scale), with δ = rowsum(dO ⊙ O) - dlse from a first
 // row pass. No atomics: every output tile is summed by one program in a fixed
 // order, so the result does not depend on the number of threads.
 //
@@ -21,10 +21,11 @@
 // 0 / -inf bias per key. A query row that sees no key gets output 0,
 // lse = -inf and zero gradients.
 //
-// Every operand is packed into per-thread fp32 (fp64) buffers whose widths are
-// multiples of kAlign: half/bfloat16 inputs are converted once per tile, any
-// input row stride works, and every GEMM sees whole vectors. The inner
-// products go through a GEMM on those tiles (see gemm() below).
+// GEMM operands are fp32 (fp64 for fp64 inputs) [rows, Dh] tiles: fp32 input
+// rows are read in place (any row stride), other dtypes are converted into
+// per-thread buffers once per tile; transposed operands are always packed.
+// Buffer widths are multiples of kAlign. The inner products go through a GEMM
+// on those tiles (see gemm() below).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -51,7 +52,7 @@ using Vec = at::vec::Vectorized<T>;
 // pass groups kBlockQ / kTileQ query tiles per program). Buffer widths are
 // padded to multiples of kAlign.
 constexpr int64_t kBlockQ = 256;
-constexpr int64_t kTileK = 64;
+constexpr int64_t kTileK = 128;
 constexpr int64_t kBlockK = 256;
 constexpr int64_t kTileQ = 64;
 constexpr int64_t kAlign = 16;
@@ -182,6 +183,29 @@ inline void load_rows(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t
   for (int64_t r = 0; r < n; ++r) load_row(x.row(b, h, t0 + r), dh, mul, dst + r * ldd, ldd);
 }
 
+// A [rows, Dh] GEMM operand: the input rows themselves when they already are
+// fp32 rows (unit stride, not overlapping), else a copy converted to T in a
+// packing buffer. `cols` is what a GEMM may read as its N: Dh in place, Dh
+// padded to kAlign in a buffer (gemm_vec works on whole vectors).
+template <typename T>
+struct Operand {
+  const T* data;
+  int64_t ld, cols;
+};
+
+template <typename scalar_t>
+inline bool rows_in_place(const HeadRows<scalar_t>& x, int64_t dh) {
+  return std::is_same_v<scalar_t, float> && x.stride_t >= dh;
+}
+
+template <typename scalar_t, typename T>
+inline Operand<T> rows_operand(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh,
+                               int64_t dhp, T* buf) {
+  if (rows_in_place(x, dh)) return {reinterpret_cast<const T*>(x.row(b, h, t0)), x.stride_t, dh};
+  load_rows(x, b, h, t0, n, dh, T(1), buf, dhp);
+  return {buf, dhp, dhp};
+}
+
 // dst[0:n] = mul * src[0:n] as scalar_t (src is scaled in place).
 template <typename scalar_t, typename T>
 inline void store_row(T* src, int64_t n, T mul, scalar_t* dst) {
@@ -205,6 +229,15 @@ inline void transpose_padded(const T* src, int64_t ld_src, int64_t rows, int64_t
   }
   if (rows_padded > rows)
     for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + c * ld_dst + rows_padded, T(0));
+}
+
+// dst[d, r] = x[t0 + r, d] for r < n, d < Dh, zero-padded to n_padded columns
+// (buf: packing space for inputs that are not fp32 rows).
+template <typename scalar_t, typename T>
+inline void load_rows_transposed(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh,
+                                 int64_t dhp, T* buf, T* dst, int64_t ld_dst, int64_t n_padded) {
+  const Operand<T> src = rows_operand(x, b, h, t0, n, dh, dhp, buf);
+  transpose_padded(src.data, src.ld, n, dh, dst, ld_dst, n_padded);
 }
 
 // exp that lets NaN through (at::vec's fast float exp maps NaN to a finite value).
@@ -340,20 +373,21 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
     vsum = vsum + e;
   }
   if (width > full) std::fill(s + full, s + width, T(0));
-  const T alpha = std::exp(m - m_safe);
+  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);  // the max rarely moves after the first tiles
   l = l * alpha + reduce_sum(vsum);
   m = m_new;
   return alpha;
 }
 
-// One key row of the transposed dK/dV tile: Pᵀ = exp(s - lse[c]) over the
-// columns (queries) [first, width), 0 on [0, first); dSᵀ = Pᵀ ⊙ (dp - delta[c])
-// over dp. Padding columns have lse = +inf and delta = 0, so they come out 0.
+// One key row of a backward pair (keys on the rows): Pᵀ = exp(s · scale - lse[c])
+// over the columns (queries) [first, width), 0 on [0, first); dSᵀ = Pᵀ ⊙ (dp -
+// delta[c]) over dp. Padding columns have lse = +inf and delta = 0: they come out 0.
 template <typename T>
-inline void dscores_key_row(T* s, T* dp, int64_t first, int64_t width, const T* lse, const T* delta) {
+inline void dscores_key_row(T* s, T* dp, int64_t first, int64_t width, T scale, const T* lse, const T* delta) {
   constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vscale(scale);
   for (int64_t c = first / W * W; c < width; c += W) {
-    const Vec<T> p = exp_vec(Vec<T>::loadu(s + c) - Vec<T>::loadu(lse + c));
+    const Vec<T> p = exp_vec(at::vec::fmsub(Vec<T>::loadu(s + c), vscale, Vec<T>::loadu(lse + c)));
     p.store(s + c);
     (p * (Vec<T>::loadu(dp + c) - Vec<T>::loadu(delta + c))).store(dp + c);
   }
@@ -390,9 +424,8 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
         const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
         // Rows above r0 see none of these keys (rounded down to keep GEMM shapes few).
         const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
-        load_rows(K, b, hk, k0, n, dh, T(1), krows.data(), dhp);
-        transpose_padded(krows.data(), dhp, n, dh, kt.data(), kTileK, n_padded);
-        load_rows(V, b, hk, k0, n, dh, T(1), vrows.data(), dhp);
+        load_rows_transposed(K, b, hk, k0, n, dh, dhp, krows.data(), kt.data(), kTileK, n_padded);
+        const Operand<T> v_rows = rows_operand(V, b, hk, k0, n, dh, dhp, vrows.data());
         gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
              false);
         const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
@@ -404,7 +437,8 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
                          dhp);
           }
         }
-        gemm(rows - r0, dhp, n, s.data() + r0 * kTileK, kTileK, vrows.data(), dhp, acc.data() + r0 * dhp, dhp, true);
+        gemm(rows - r0, v_rows.cols, n, s.data() + r0 * kTileK, kTileK, v_rows.data, v_rows.ld, acc.data() + r0 * dhp,
+             dhp, true);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = bh * p.tq + i0 + r;
@@ -421,12 +455,13 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // The backward works on pairs (query tile i: kTileQ rows of one head; key block
 // j: kBlockK keys of its kv head) of a fixed grid (i0 a multiple of kTileQ, k0
 // of kBlockK), always with the keys on the rows:
-//   Sᵀ = K_j Qs_iᵀ, Pᵀ = exp(Sᵀ - lse_i), dPᵀ = V_j dO_iᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ_i),
-// consumed by dV_j += Pᵀ dO_i, dK_j += dSᵀ Qs_i and dQ_iᵀ += K_jᵀ dSᵀ (· scale at
+//   Sᵀ = K_j q_iᵀ, Pᵀ = exp(Sᵀ · scale - lse_i), dPᵀ = V_j dO_iᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ_i),
+// consumed by dV_j += Pᵀ dO_i, dK_j += dSᵀ q_i and dQ_iᵀ += K_jᵀ dSᵀ (dK, dQ · scale at
 // the end). Two schedules give bit-identical results: every pair is computed by
 // the same code, and dQ_i sums its pairs in ascending j with the same GEMMs.
-//   fused: one program per (batch, kv head) runs each pair once (5 GEMMs) and
-//     keeps dQᵀ of its head group in a per-thread buffer (G·Tq·Dh values);
+//   fused: one program per (batch, kv head) runs each pair once (5 GEMMs); it
+//     packs every query tile of its head group once and keeps them and dQᵀ in
+//     per-thread buffers (3·G·Tq·Dh values; 5 for half/bf16 inputs);
 //   split: one program per (batch, kv head, key block) for dK/dV (4 GEMMs per
 //     pair) and one per (batch, head, kBlockQ queries) for dQ (3 GEMMs per pair:
 //     Sᵀ and dPᵀ are recomputed).
@@ -436,17 +471,18 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 
 template <typename T>
 struct KeyBlock {  // kBlockK keys of one kv head: K and V rows, and Kᵀ for the dQ GEMM
-  std::vector<T> k, v, kt;
+  std::vector<T> k_buf, v_buf, kt;
+  Operand<T> k{}, v{};
   int64_t k0 = 0, n = 0;
-  explicit KeyBlock(int64_t dhp) : k(kBlockK * dhp), v(kBlockK * dhp), kt(dhp * kBlockK) {}
+  explicit KeyBlock(int64_t dhp) : k_buf(kBlockK * dhp), v_buf(kBlockK * dhp), kt(dhp * kBlockK) {}
 };
 
 template <typename T>
-struct QueryTile {  // kTileQ queries of one head: Qs = q · scale and dO as rows and transposed, lse and δ
-  std::vector<T> qs, qst, d_o, d_ot, lse, delta;
+struct QueryTile {  // kTileQ queries of one head: q and dO as rows and transposed, lse and δ
+  std::vector<T> q_buf, qt, do_buf, d_ot, lse, delta;  // q_buf, do_buf: only for rows that are not fp32 in place
+  Operand<T> q{}, d_o{};
   int64_t i0 = 0, m = 0, m_padded = 0;
-  explicit QueryTile(int64_t dhp)
-      : qs(kTileQ * dhp), qst(dhp * kTileQ), d_o(kTileQ * dhp), d_ot(dhp * kTileQ), lse(kTileQ), delta(kTileQ) {}
+  explicit QueryTile(int64_t dhp) : qt(dhp * kTileQ), d_ot(dhp * kTileQ), lse(kTileQ), delta(kTileQ) {}
 };
 
 template <typename T>
@@ -496,9 +532,9 @@ void load_key_block(KeyBlock<T>& kb, const Problem& p, const BackwardInputs<scal
                     int64_t k0, bool with_transpose) {
   kb.k0 = k0;
   kb.n = std::min(kBlockK, p.tk - k0);
-  load_rows(in.k, b, hk, k0, kb.n, p.dh, T(1), kb.k.data(), p.dh_padded);
-  load_rows(in.v, b, hk, k0, kb.n, p.dh, T(1), kb.v.data(), p.dh_padded);
-  if (with_transpose) transpose_padded(kb.k.data(), p.dh_padded, kb.n, p.dh, kb.kt.data(), kBlockK, kb.n);
+  kb.k = rows_operand(in.k, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.k_buf.data());
+  kb.v = rows_operand(in.v, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.v_buf.data());
+  if (with_transpose) transpose_padded(kb.k.data, kb.k.ld, kb.n, p.dh, kb.kt.data(), kBlockK, kb.n);
 }
 
 template <typename scalar_t, typename T>
@@ -508,10 +544,12 @@ void load_query_tile(QueryTile<T>& qt, const Problem& p, const BackwardInputs<sc
   qt.i0 = i0;
   qt.m = std::min(kTileQ, p.tq - i0);
   qt.m_padded = round_up(qt.m, kAlign);
-  load_rows(in.q, b, h, i0, qt.m, dh, static_cast<T>(p.scale), qt.qs.data(), dhp);
-  transpose_padded(qt.qs.data(), dhp, qt.m, dh, qt.qst.data(), kTileQ, qt.m_padded);
-  load_rows(in.grad_out, b, h, i0, qt.m, dh, T(1), qt.d_o.data(), dhp);
-  transpose_padded(qt.d_o.data(), dhp, qt.m, dh, qt.d_ot.data(), kTileQ, qt.m_padded);
+  if (!rows_in_place(in.q, dh)) qt.q_buf.resize(kTileQ * dhp);
+  if (!rows_in_place(in.grad_out, dh)) qt.do_buf.resize(kTileQ * dhp);
+  qt.q = rows_operand(in.q, b, h, i0, qt.m, dh, dhp, qt.q_buf.data());
+  transpose_padded(qt.q.data, qt.q.ld, qt.m, dh, qt.qt.data(), kTileQ, qt.m_padded);
+  qt.d_o = rows_operand(in.grad_out, b, h, i0, qt.m, dh, dhp, qt.do_buf.data());
+  transpose_padded(qt.d_o.data, qt.d_o.ld, qt.m, dh, qt.d_ot.data(), kTileQ, qt.m_padded);
   const int64_t row0 = (b * p.heads + h) * p.tq + i0;
   std::copy(in.lse + row0, in.lse + row0 + qt.m, qt.lse.begin());  // padding: +inf, so P = 0
   std::fill(qt.lse.begin() + qt.m, qt.lse.end(), std::numeric_limits<T>::infinity());
@@ -526,9 +564,8 @@ int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBl
                      PairTiles<T>& pair) {
   const int64_t n_vis = std::min(p.key_end(qt.i0 + qt.m - 1) - kb.k0, kb.n);
   if (n_vis <= 0) return 0;
-  const int64_t dhp = p.dh_padded;
-  gemm(n_vis, qt.m_padded, p.dh, kb.k.data(), dhp, qt.qst.data(), kTileQ, pair.pt.data(), kTileQ, false);
-  gemm(n_vis, qt.m_padded, p.dh, kb.v.data(), dhp, qt.d_ot.data(), kTileQ, pair.dst.data(), kTileQ, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.k.data, kb.k.ld, qt.qt.data(), kTileQ, pair.pt.data(), kTileQ, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.v.data, kb.v.ld, qt.d_ot.data(), kTileQ, pair.dst.data(), kTileQ, false);
   for (int64_t kk = 0; kk < n_vis; ++kk) {
     T* p_row = pair.pt.data() + kk * kTileQ;
     T* ds_row = pair.dst.data() + kk * kTileQ;
@@ -538,7 +575,7 @@ int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBl
       continue;
     }
     const int64_t first = std::clamp<int64_t>(p.query_begin(kb.k0 + kk) - qt.i0, 0, qt.m);
-    dscores_key_row(p_row, ds_row, first, qt.m_padded, qt.lse.data(), qt.delta.data());
+    dscores_key_row(p_row, ds_row, first, qt.m_padded, static_cast<T>(p.scale), qt.lse.data(), qt.delta.data());
   }
   return n_vis;
 }
@@ -562,29 +599,29 @@ void store_dq_tile(const Problem& p, T* dqt, int64_t b, int64_t h, int64_t i0, T
 
 // dK and dV of one key block, from every query tile of every head of the group
 // that sees it; with dqt ([G, Tq / kTileQ tiles, Dh, kTileQ]) also the dQᵀ
-// contributions of these pairs.
-template <typename scalar_t, typename T>
+// contributions of these pairs. tile_for(g, tile) gives the loaded query tile
+// `tile` of head g of the group.
+template <typename scalar_t, typename T, typename TileFor>
 void key_block_grads(const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk, int64_t k0,
-                     KeyBlock<T>& kb, QueryTile<T>& qt, PairTiles<T>& pair, T* dk, T* dv, T* dqt, scalar_t* grad_k,
-                     scalar_t* grad_v) {
+                     KeyBlock<T>& kb, const TileFor& tile_for, PairTiles<T>& pair, T* dk, T* dv, T* dqt,
+                     scalar_t* grad_k, scalar_t* grad_v) {
   const int64_t dh = p.dh, dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ);
   load_key_block(kb, p, in, b, hk, k0, dqt != nullptr);
   std::fill(dk, dk + kBlockK * dhp, T(0));
   std::fill(dv, dv + kBlockK * dhp, T(0));
   for (int64_t g = 0; g < p.group; ++g) {
-    const int64_t h = hk * p.group + g;
     for (int64_t tile = p.query_begin(k0) / kTileQ; tile < q_tiles; ++tile) {
-      load_query_tile(qt, p, in, b, h, tile * kTileQ);
+      const QueryTile<T>& qt = tile_for(g, tile);
       const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, qt, pair);
       if (n_vis == 0) continue;
-      gemm(n_vis, dhp, qt.m, pair.pt.data(), kTileQ, qt.d_o.data(), dhp, dv, dhp, true);
-      gemm(n_vis, dhp, qt.m, pair.dst.data(), kTileQ, qt.qs.data(), dhp, dk, dhp, true);
+      gemm(n_vis, qt.d_o.cols, qt.m, pair.pt.data(), kTileQ, qt.d_o.data, qt.d_o.ld, dv, dhp, true);
+      gemm(n_vis, qt.q.cols, qt.m, pair.dst.data(), kTileQ, qt.q.data, qt.q.ld, dk, dhp, true);
       if (dqt != nullptr) accumulate_dq(p, kb, qt, pair, n_vis, dqt + (g * q_tiles + tile) * dhp * kTileQ);
     }
   }
   for (int64_t r = 0; r < kb.n; ++r) {
     const int64_t row = (b * p.kv_heads + hk) * p.tk + k0 + r;
-    store_row(dk + r * dhp, dh, T(1), grad_k + row * dh);
+    store_row(dk + r * dhp, dh, static_cast<T>(p.scale), grad_k + row * dh);
     store_row(dv + r * dhp, dh, T(1), grad_v + row * dh);
   }
 }
@@ -603,14 +640,20 @@ void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at
   if (fused) {
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       KeyBlock<T> kb(dhp);
-      QueryTile<T> qt(dhp);
+      std::vector<QueryTile<T>> tiles(p.group * q_tiles, QueryTile<T>(dhp));  // every query tile of the head group
       PairTiles<T> pair;
       std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp), dqt(p.group * q_tiles * dhp * kTileQ), rows(kTileQ * dhp);
+      const auto loaded = [&](int64_t g, int64_t tile) -> const QueryTile<T>& { return tiles[g * q_tiles + tile]; };
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t b = unit / p.kv_heads, hk = unit % p.kv_heads;
+        for (int64_t g = 0; g < p.group; ++g) {
+          for (int64_t tile = 0; tile < q_tiles; ++tile) {
+            load_query_tile(tiles[g * q_tiles + tile], p, in, b, hk * p.group + g, tile * kTileQ);
+          }
+        }
         std::fill(dqt.begin(), dqt.end(), T(0));
         for (int64_t block = 0; block < key_blocks; ++block) {
-          key_block_grads(p, in, b, hk, block * kBlockK, kb, qt, pair, dk.data(), dv.data(), dqt.data(), dk_data,
+          key_block_grads(p, in, b, hk, block * kBlockK, kb, loaded, pair, dk.data(), dv.data(), dqt.data(), dk_data,
                           dv_data);
         }
         for (int64_t g = 0; g < p.group; ++g) {
@@ -632,7 +675,12 @@ void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / key_blocks, b = unit / p.kv_heads, hk = unit % p.kv_heads;
       const int64_t k0 = balanced_tile(item % key_blocks, key_blocks) * kBlockK;
-      key_block_grads(p, in, b, hk, k0, kb, qt, pair, dk.data(), dv.data(), static_cast<T*>(nullptr), dk_data, dv_data);
+      const auto load = [&](int64_t g, int64_t tile) -> const QueryTile<T>& {
+        load_query_tile(qt, p, in, b, hk * p.group + g, tile * kTileQ);
+        return qt;
+      };
+      key_block_grads(p, in, b, hk, k0, kb, load, pair, dk.data(), dv.data(), static_cast<T*>(nullptr), dk_data,
+                      dv_data);
     }
   });
   constexpr int64_t tiles_per_block = kBlockQ / kTileQ;
