@@ -52,7 +52,7 @@ using Vec = at::vec::Vectorized<T>;
 // pass groups kBlockQ / kTileQ query tiles per program). Buffer widths are
 // padded to multiples of kAlign.
 constexpr int64_t kBlockQ = 256;
-constexpr int64_t kTileK = 128;
+constexpr int64_t kTileK = 256;
 constexpr int64_t kBlockK = 256;
 constexpr int64_t kTileQ = 64;
 constexpr int64_t kAlign = 16;
@@ -240,14 +240,20 @@ inline void load_rows_transposed(const HeadRows<scalar_t>& x, int64_t b, int64_t
   transpose_padded(src.data, src.ld, n, dh, dst, ld_dst, n_padded);
 }
 
-// exp that lets NaN through (at::vec's fast float exp maps NaN to a finite value).
+// exp of finite or -inf arguments (for float at::vec's fast exp, 20 ulp).
 template <typename T>
-inline Vec<T> exp_vec(const Vec<T>& x) {
+inline Vec<T> exp_finite(const Vec<T>& x) {
   if constexpr (std::is_same_v<T, float>) {
-    return Vec<T>::blendv(x.exp_u20(), x, x.isnan());
+    return x.exp_u20();
   } else {
     return x.exp();
   }
+}
+
+// exp that lets NaN through (the fast float exp maps NaN to a finite value).
+template <typename T>
+inline Vec<T> exp_vec(const Vec<T>& x) {
+  return Vec<T>::blendv(exp_finite(x), x, x.isnan());
 }
 
 template <typename T>
@@ -364,11 +370,16 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
   Vec<T> vmax(kNegInf);
   for (int64_t d = 0; d < full; d += W) vmax = at::vec::maximum(vmax, Vec<T>::loadu(s + d));
   const T m_new = max_propagating_nan(m, reduce_max(vmax));
+  if (std::isnan(m_new) || m_new == -kNegInf) {  // NaN or +inf scores make the row NaN, as in the reference
+    std::fill(s, s + width, std::numeric_limits<T>::quiet_NaN());
+    l = m = std::numeric_limits<T>::quiet_NaN();
+    return l;
+  }
   const T m_safe = m_new == kNegInf ? T(0) : m_new;  // no visible key yet: exp(-inf - 0) = 0
   const Vec<T> vm(m_safe);
   Vec<T> vsum(T(0));
   for (int64_t d = 0; d < full; d += W) {
-    const Vec<T> e = exp_vec(Vec<T>::loadu(s + d) - vm);
+    const Vec<T> e = exp_finite(Vec<T>::loadu(s + d) - vm);
     e.store(s + d);
     vsum = vsum + e;
   }
