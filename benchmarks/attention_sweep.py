@@ -36,8 +36,6 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import attnres_kernels as ak  # noqa: E402
-from attnres_kernels import reference  # noqa: E402
 
 BATCH, HEADS = 2, 8
 LENGTHS, HEAD_DIMS = (512, 1024, 2048, 4096), (64, 128)
@@ -64,7 +62,18 @@ def summary(times: list) -> dict:
     return {"median_s": median, "spread": (max(times) - min(times)) / median, "runs": len(times)}
 
 
+def package():
+    """attnres_kernels and its reference (imported on use: the --gemm-child process
+    compiles the kernel file itself and must not load the package's copy)."""
+    import attnres_kernels
+    from attnres_kernels import reference
+
+    return attnres_kernels, reference
+
+
 def implementations(causal: bool, compiled: dict) -> dict:
+    ak, reference = package()
+
     def fused(q, k, v):
         return ak.attention(q, k, v, causal=causal, backend="cpu")
 
@@ -164,14 +173,18 @@ double tile_gemm_seconds(int64_t M, int64_t N, int64_t K, int64_t reps, bool use
 }
 """
 
-# (M, N, K) of the kernels' GEMMs: forward S = Qs Kᵀ and O += P V (256-row query
-# blocks, 64-key tiles); backward Sᵀ = K Qsᵀ, dV += Pᵀ dO and dQᵀ += Kᵀ dSᵀ
-# (256-key blocks, 64-query tiles); Dh = 64 and 128.
+# (M, N, K) of the kernels' GEMMs for Dh = 64 and 128. Forward (256 query rows,
+# 256-key tiles): S = Qs Kᵀ (256, 256, Dh), O += P V (256, Dh, 256). Backward
+# (256-key blocks, 64-query tiles): Sᵀ = K qᵀ and dPᵀ (256, 64, Dh), dV += Pᵀ dO
+# and dK (256, Dh, 64), dQᵀ += Kᵀ dSᵀ (Dh, 64, 256).
 GEMM_SHAPES = [
+    (256, 256, 64),
+    (256, 64, 256),
+    (256, 256, 128),
+    (256, 128, 256),
     (256, 64, 64),
     (256, 64, 128),
     (256, 128, 64),
-    (256, 64, 256),
     (64, 64, 256),
     (128, 64, 256),
 ]
@@ -343,6 +356,7 @@ def main() -> None:
 
     from tqdm import tqdm
 
+    ak, reference = package()
     if "cpu" not in ak.available_backends("cpu"):
         raise SystemExit(f"the C++ attention kernels are not available: {ak.build_info()}")
     torch._dynamo.config.recompile_limit = 1024  # one compiled graph per shape
