@@ -29,6 +29,16 @@ TORCH_LIBRARY(attnres, m) {
       "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
       "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
       "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Fused attention (DESIGN.md §2.4): q [B, H, Tq, Dh], k/v [B, Hkv, Tk, Dh] (H % Hkv == 0),
+  // key_padding_mask bool [B, Tk] (True = a real key). Returns out [B, H, Tq, Dh] (q's dtype) and
+  // lse [B, H, Tq] (fp32; fp64 for fp64 inputs; -inf for a row that sees no key).
+  m.def(
+      "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float scale) "
+      "-> (Tensor out, Tensor lse)");
+  // Gradients of q, k, v (their dtypes); grad_lse may be absent.
+  m.def(
+      "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+      "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 }  // namespace attnres
