@@ -3,15 +3,20 @@
 //
 // Work is split over rows (the flattened leading dims) with at::parallel_for;
 // all arithmetic on a row is vectorized over D with at::vec in the
-// accumulation type (float, or double for double inputs). Half/bfloat16 rows
-// are converted to float in a per-thread buffer once per read.
+// accumulation type acc_t (float, or double when the output dtype is fp64).
+//
+// Dtypes (DESIGN.md §2.5): the kernels are templates over acc_t only. Every
+// operand (each source, the prefix, the incoming gradient) is read in its own
+// dtype one row at a time (load_row: rows already in acc_t are used in place,
+// others are converted into a per-thread row buffer) and every output is
+// written in its own dtype (store_row), so sources of mixed dtypes need no
+// cast copies and one instantiation per accumulation type serves all mixes.
 //
 // Determinism: every per-row result depends only on that row. The reductions
 // over rows (grad of query_key and of the out-norm weight) write one double
 // partial per fixed chunk of rows (the chunking depends on M only, not on the
 // thread count) and the partials are summed in chunk order.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -22,6 +27,7 @@
 #endif
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -46,51 +52,111 @@ namespace {
 
 using at::vec::Vectorized;
 
-// ---------------------------------------------------------------- row helpers
+// ---------------------------------------------------------------- operands in their own dtype
 
-// Returns the row as acc_t: the row itself when scalar_t == acc_t, otherwise
-// converted into `buf`.
-template <typename scalar_t, typename acc_t>
-inline const acc_t* row_as_acc(const scalar_t* row, acc_t* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+// The rows of one [M', D] operand: row p starts p * row_bytes bytes after data.
+struct InRows {
+  const char* data = nullptr;
+  int64_t row_bytes = 0;
+  at::ScalarType dtype = at::kFloat;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+struct OutRows {
+  char* data = nullptr;
+  int64_t row_bytes = 0;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// Rows of a tensor whose rows are `row_stride` elements apart (D for a contiguous one).
+InRows in_rows(const at::Tensor& t, int64_t row_stride) {
+  return {static_cast<const char*>(t.const_data_ptr()), row_stride * static_cast<int64_t>(t.element_size()),
+          t.scalar_type()};
+}
+
+OutRows out_rows(at::Tensor& t, int64_t row_stride) {
+  return {static_cast<char*>(t.mutable_data_ptr()), row_stride * static_cast<int64_t>(t.element_size()),
+          t.scalar_type()};
+}
+
+template <typename T>
+constexpr bool is_reduced_float = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// `row` as acc_t: the row itself when src_t == acc_t, otherwise converted into `buf`.
+template <typename src_t, typename acc_t>
+inline const acc_t* row_as_acc(const src_t* row, acc_t* buf, int64_t n) {
+  if constexpr (std::is_same_v<src_t, acc_t>) {
     return row;
-  } else {
-    using bVec = Vectorized<scalar_t>;
+  } else if constexpr (std::is_same_v<acc_t, float> && is_reduced_float<src_t>) {
+    using bVec = Vectorized<src_t>;
     using fVec = Vectorized<float>;
     int64_t d = 0;
     for (; d + bVec::size() <= n; d += bVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + d));
+      auto [lo, hi] = at::vec::convert_to_float<src_t>(bVec::loadu(row + d));
       lo.store(buf + d);
       hi.store(buf + d + fVec::size());
     }
     for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
     return buf;
+  } else {  // into a double kernel (mixed with fp64); double into a float kernel cannot occur
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<acc_t>(row[d]);
+    return buf;
   }
 }
 
-// Copies floats with non-temporal stores where the vector ISA has them: the
+// Row p of `x` as acc_t (in place or converted into `buf`).
+template <typename acc_t>
+inline const acc_t* load_row(const InRows& x, int64_t p, acc_t* buf, int64_t n) {
+  const char* row = x.data + p * x.row_bytes;
+  switch (x.dtype) {
+    case at::kFloat:
+      return row_as_acc(reinterpret_cast<const float*>(row), buf, n);
+    case at::kDouble:
+      return row_as_acc(reinterpret_cast<const double*>(row), buf, n);
+    case at::kBFloat16:
+      return row_as_acc(reinterpret_cast<const at::BFloat16*>(row), buf, n);
+    default:
+      return row_as_acc(reinterpret_cast<const at::Half*>(row), buf, n);
+  }
+}
+
+// Asks for row p of `x`, to be read soon. Each source row is its own stream
+// (for D = 1024 fp32 exactly one 4 KiB page), and hardware prefetchers stop at
+// page boundaries, so the forward requests the next row of every source
+// explicitly. (In the backward, measured, it evicted the rows pass 2 re-reads.)
+inline void prefetch_row(const InRows& x, int64_t p, int64_t n) {
+  const char* row = x.data + p * x.row_bytes;
+  const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(x.dtype));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
+// Copies bytes with non-temporal stores where the vector ISA has them: large
 // outputs are written once and not read back soon, and streaming them skips
 // the read-for-ownership of every destination line (for the backward, whose
 // N source gradients are most of its traffic, that is a third fewer bytes).
-inline void stream_floats(const float* src, float* dst, int64_t n) {
+inline void stream_bytes(const void* src_ptr, void* dst_ptr, int64_t n) {
+  const char* src = static_cast<const char*>(src_ptr);
+  char* dst = static_cast<char*>(dst_ptr);
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #if defined(CPU_CAPABILITY_AVX512)
-  constexpr int64_t W = 16;
+  constexpr int64_t W = 64;
 #else
-  constexpr int64_t W = 8;
+  constexpr int64_t W = 32;
 #endif
-  int64_t d = 0;
-  for (; d < n && reinterpret_cast<uintptr_t>(dst + d) % (W * sizeof(float)) != 0; ++d) dst[d] = src[d];
-  for (; d + W <= n; d += W) {
+  const int64_t head = std::min<int64_t>(n, (W - static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % W)) % W);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + W <= n; i += W) {
 #if defined(CPU_CAPABILITY_AVX512)
-    _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
 #else
-    _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
 #endif
   }
-  for (; d < n; ++d) dst[d] = src[d];
+  std::memcpy(dst + i, src + i, n - i);
 #else
-  std::copy(src, src + n, dst);
+  std::memcpy(dst, src, n);
 #endif
 }
 
@@ -101,16 +167,48 @@ inline void fence_streaming_stores() {
 #endif
 }
 
-template <typename scalar_t, typename acc_t>
-inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    stream_floats(src, dst, n);
-  } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    std::copy(src, src + n, dst);
+// Outputs at least this large are written with non-temporal stores; smaller
+// ones stay in cache for the op that reads them next.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+
+template <typename acc_t, typename dst_t>
+inline void store_as(const acc_t* src, char* dst, int64_t n, bool stream, acc_t* tmp) {
+  const void* bytes = src;
+  if constexpr (!std::is_same_v<acc_t, dst_t>) {
+    dst_t* converted = stream ? reinterpret_cast<dst_t*>(tmp) : reinterpret_cast<dst_t*>(dst);
+    if constexpr (std::is_same_v<acc_t, double> || (std::is_same_v<acc_t, float> && is_reduced_float<dst_t>)) {
+      at::vec::convert(src, converted, n);
+    } else {  // float into double cannot occur (a double output implies a double kernel)
+      for (int64_t d = 0; d < n; ++d) converted[d] = static_cast<dst_t>(src[d]);
+    }
+    if (!stream) return;
+    bytes = tmp;
+  }
+  if (stream) {
+    stream_bytes(bytes, dst, n * static_cast<int64_t>(sizeof(dst_t)));
   } else {
-    at::vec::convert(src, dst, n);
+    std::memcpy(dst, bytes, n * sizeof(dst_t));
   }
 }
+
+// Writes the acc_t row `src` as row p of `x` in x's dtype. `tmp` (n acc_t) holds
+// the converted row when it is streamed.
+template <typename acc_t>
+inline void store_row(const acc_t* src, const OutRows& x, int64_t p, int64_t n, bool stream, acc_t* tmp) {
+  char* row = x.data + p * x.row_bytes;
+  switch (x.dtype) {
+    case at::kFloat:
+      return store_as<acc_t, float>(src, row, n, stream, tmp);
+    case at::kDouble:
+      return store_as<acc_t, double>(src, row, n, stream, tmp);
+    case at::kBFloat16:
+      return store_as<acc_t, at::BFloat16>(src, row, n, stream, tmp);
+    default:
+      return store_as<acc_t, at::Half>(src, row, n, stream, tmp);
+  }
+}
+
+// ---------------------------------------------------------------- row arithmetic
 
 // <a, b> with two vector accumulators (halves the FMA dependency chain).
 template <typename T>
@@ -182,16 +280,6 @@ inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* d
   return dot(x, x, n);
 }
 
-// Asks for a row that will be read soon. Each source row is its own stream
-// (for D = 1024 fp32 exactly one 4 KiB page), and hardware prefetchers stop at
-// page boundaries, so the forward requests the next row of every source
-// explicitly. (In the backward, measured, it evicted the rows pass 2 re-reads.)
-template <typename T>
-inline void prefetch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
-}
-
 // dst += a * x * y, accumulated in double (the row reductions sum thousands of
 // terms; double keeps their rounding far below that of a single fp32 row).
 template <typename T>
@@ -227,41 +315,58 @@ inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_
 // Fixed partition of M rows for the row reductions: depends on M only.
 inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
 
+// Smallest parallel task, in multiply-adds: below it, waking a second thread
+// costs more than the work it takes over, so small reads run on one thread.
+constexpr int64_t kMinTaskWork = int64_t(1) << 17;
+
+// The grain of at::parallel_for over units (rows or chunks) of `work_per_unit` multiply-adds.
+inline int64_t grain_for(int64_t work_per_unit) {
+  return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_unit));
+}
+
 // ---------------------------------------------------------------- forward
 
-template <typename scalar_t>
+// Operands of one read as row views: the sources ([M, D] each), the prefix
+// h_a ([Q*M, D], absent without a merge).
+struct ReadRows {
+  std::vector<InRows> src;
+  InRows h_a;
+};
+
+ReadRows read_rows(const SourceRows& in, const at::Tensor& h_a) {
+  ReadRows r;
+  r.src.reserve(in.rows.size());
+  for (const auto& s : in.rows) r.src.push_back(in_rows(s, s.stride(0)));
+  if (h_a.defined()) r.h_a = in_rows(h_a, in.dim);
+  return r;
+}
+
+template <typename acc_t>
 void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
                          at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
   const acc_t eps = static_cast<acc_t>(eps_d);
-  std::vector<const scalar_t*> src(N);
-  std::vector<int64_t> stride(N);
-  for (int64_t i = 0; i < N; ++i) {
-    src[i] = in.rows[i].const_data_ptr<scalar_t>();
-    stride[i] = in.rows[i].stride(0);
-  }
+  const ReadRows rows = read_rows(in, h_a_t);
+  const OutRows out = out_rows(out_t, D);
+  const bool stream = out_t.nbytes() >= kStreamBytes;
   const acc_t* u = u_t.const_data_ptr<acc_t>();
-  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
   const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
-  scalar_t* out = out_t.mutable_data_ptr<scalar_t>();
   acc_t* lse = lse_t.mutable_data_ptr<acc_t>();
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N * D));
-  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(Q * D), vbuf(D), dots(Q), mx(Q), denom(Q);
+  at::parallel_for(0, M, grain_for((N + 1) * Q * D), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(Q * D), vbuf(D), tmp(D), dots(Q), mx(Q), denom(Q);
     for (int64_t p = begin; p < end; ++p) {
       // Online softmax state per site: running max `mx`, sum `denom`, and
       // `acc` = Σ e^{s - mx} v. A prefix read enters as one source whose
       // logit is lse_a and whose value is h_a (its weights already sum to 1).
       for (int64_t q = 0; q < Q; ++q) {
         acc_t* aq = acc.data() + q * D;
-        if (h_a != nullptr) {
-          const acc_t* row = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
+        if (rows.h_a) {
+          const acc_t* row = load_row(rows.h_a, q * M + p, vbuf.data(), D);
           std::copy(row, row + D, aq);
           mx[q] = lse_a[q * M + p];
           denom[q] = acc_t(1);
@@ -272,8 +377,8 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
         }
       }
       for (int64_t i = 0; i < N; ++i) {
-        if (p + 1 < end) prefetch_row(src[i] + (p + 1) * stride[i], D);
-        const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+        if (p + 1 < end) prefetch_row(rows.src[i], p + 1, D);
+        const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
         const acc_t ss = sumsq_and_dots(v, u, Q, D, dots.data());
         const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
         rinv[i * M + p] = r;
@@ -304,82 +409,81 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
         } else {
           at::vec::map<acc_t>([scale](auto a) { return a * decltype(a)(scale); }, aq, aq, D);
         }
-        store_row<scalar_t, acc_t>(aq, out + (q * M + p) * D, D);
+        store_row(aq, out, q * M + p, D, stream, tmp.data());
       }
     }
-    fence_streaming_stores();
+    if (stream) fence_streaming_stores();
   });
 }
 
 // ---------------------------------------------------------------- backward
 
-template <typename scalar_t>
+template <typename acc_t>
 void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
                          const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t,
                          const at::Tensor& rinv_t, double eps_d, std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t,
                          at::Tensor& dh_a_t, at::Tensor& dlse_a_t, at::Tensor& dg_t) {
-  using acc_t = at::opmath_type<scalar_t>;
   using Vec = Vectorized<acc_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
   const acc_t eps = static_cast<acc_t>(eps_d);
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
-  std::vector<const scalar_t*> src(N);
-  std::vector<int64_t> stride(N);
-  std::vector<scalar_t*> dsrc(N);
+  const ReadRows rows = read_rows(in, h_a_t);
+  const bool has_prefix = static_cast<bool>(rows.h_a);
+  std::vector<OutRows> dsrc(N);
+  int64_t grad_bytes = 0;
   for (int64_t i = 0; i < N; ++i) {
-    src[i] = in.rows[i].const_data_ptr<scalar_t>();
-    stride[i] = in.rows[i].stride(0);
-    dsrc[i] = dsrc_t[i].mutable_data_ptr<scalar_t>();
+    dsrc[i] = out_rows(dsrc_t[i], D);
+    grad_bytes += dsrc_t[i].nbytes();
   }
-  const scalar_t* dy = dy_t.const_data_ptr<scalar_t>();
+  const bool stream = grad_bytes >= kStreamBytes;
+  const InRows dy = in_rows(dy_t, D);
+  const OutRows dh_a = has_prefix ? out_rows(dh_a_t, D) : OutRows{};
   const acc_t* dlse = dlse_t.defined() ? dlse_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* dlogits = dlogits_t.defined() ? dlogits_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* u = u_t.const_data_ptr<acc_t>();
-  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
-  const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* lse_a = has_prefix ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* logits = logits_t.const_data_ptr<acc_t>();
   const acc_t* rinv = rinv_t.const_data_ptr<acc_t>();
-  scalar_t* dh_a = h_a != nullptr ? dh_a_t.mutable_data_ptr<scalar_t>() : nullptr;
-  acc_t* dlse_a = h_a != nullptr ? dlse_a_t.mutable_data_ptr<acc_t>() : nullptr;
+  acc_t* dlse_a = has_prefix ? dlse_a_t.mutable_data_ptr<acc_t>() : nullptr;
 
   // Stage 1 writes one [Q, D] double partial of du (and of dg) per chunk of rows.
   const int64_t chunk = rows_per_chunk(M);
   const int64_t num_chunks = (M + chunk - 1) / chunk;
   const auto part_opts = u_t.options().dtype(at::kDouble);
-  at::Tensor du_part = at::zeros({num_chunks, Q, D}, part_opts);
-  at::Tensor dg_part = g != nullptr ? at::zeros({num_chunks, Q, D}, part_opts) : at::Tensor();
+  at::Tensor du_part = at::empty({num_chunks, Q, D}, part_opts);
+  at::Tensor dg_part = g != nullptr ? at::empty({num_chunks, Q, D}, part_opts) : at::Tensor();
   double* du_parts = du_part.mutable_data_ptr<double>();
   double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
 
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+  at::parallel_for(0, num_chunks, grain_for(chunk * (2 * N + 2) * Q * D), [&](int64_t c_begin, int64_t c_end) {
     // do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf: recomputed h_q
     // (out-norm only); alpha/dp: softmax weights and <do_q, v_i> of the row.
-    std::vector<acc_t> do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D);
+    std::vector<acc_t> do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D), tmp(D);
     std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q);
     for (int64_t c = c_begin; c < c_end; ++c) {
       double* du_c = du_parts + c * Q * D;
       double* dg_c = g != nullptr ? dg_parts + c * Q * D : nullptr;
+      std::fill(du_c, du_c + Q * D, 0.0);
+      if (dg_c != nullptr) std::fill(dg_c, dg_c + Q * D, 0.0);
       for (int64_t p = c * chunk; p < std::min(M, (c + 1) * chunk); ++p) {
         for (int64_t q = 0; q < Q; ++q) {
-          softmax_weights(logits + q * N * M + p, M, N, h_a != nullptr ? lse_a + q * M + p : nullptr,
-                          alpha.data() + q * N, alpha_a.data() + q);
-          const acc_t* dyq = row_as_acc<scalar_t, acc_t>(dy + (q * M + p) * D, vbuf.data(), D);
+          softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
+                          alpha_a.data() + q);
+          const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
           std::copy(dyq, dyq + D, do_.data() + q * D);
         }
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
           std::fill(hbuf.begin(), hbuf.end(), acc_t(0));
           for (int64_t i = 0; i < N; ++i) {
-            const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+            const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
             for (int64_t q = 0; q < Q; ++q) axpy(hbuf.data() + q * D, alpha[q * N + i], v, D);
           }
           for (int64_t q = 0; q < Q; ++q) {
             acc_t* hq = hbuf.data() + q * D;
-            if (h_a != nullptr) {
-              axpy(hq, alpha_a[q], row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D), D);
-            }
+            if (has_prefix) axpy(hq, alpha_a[q], load_row(rows.h_a, q * M + p, vbuf.data(), D), D);
             const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + eps);
             acc_t* dq = do_.data() + q * D;  // holds dy_q on entry
             accumulate_product(dg_c + q * D, rstd, dq, hq, D);
@@ -393,15 +497,15 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
         for (int64_t i = 0; i < N; ++i) {
-          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+          const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
           for (int64_t q = 0; q < Q; ++q) {
             dp[q * N + i] = dot(do_.data() + q * D, v, D);
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
         }
-        if (h_a != nullptr) {
+        if (has_prefix) {
           for (int64_t q = 0; q < Q; ++q) {
-            const acc_t* ha = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
+            const acc_t* ha = load_row(rows.h_a, q * M + p, vbuf.data(), D);
             dp_a[q] = dot(do_.data() + q * D, ha, D);
             delta[q] += alpha_a[q] * dp_a[q];
           }
@@ -419,7 +523,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             c2 += ds * logits[qi * M + p];
           }
           c2 *= r * r * inv_d;
-          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+          const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
           acc_t* dv_row = dvbuf.data();
           int64_t d = 0;
           for (; d + Vec::size() <= D; d += Vec::size()) {
@@ -437,25 +541,25 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             dv_row[d] = dv;
           }
           for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], v, D);
-          store_row<scalar_t, acc_t>(dvbuf.data(), dsrc[i] + p * D, D);
+          store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
         }
-        if (h_a != nullptr) {
+        if (has_prefix) {
           for (int64_t q = 0; q < Q; ++q) {
             const acc_t dl = dlse != nullptr ? dlse[q * M + p] : acc_t(0);
             dlse_a[q * M + p] = alpha_a[q] * (dp_a[q] - delta[q] + dl);
             at::vec::map<acc_t>([a = alpha_a[q]](auto x) { return x * decltype(x)(a); }, dvbuf.data(),
                                 do_.data() + q * D, D);
-            store_row<scalar_t, acc_t>(dvbuf.data(), dh_a + (q * M + p) * D, D);
+            store_row(dvbuf.data(), dh_a, q * M + p, D, stream, tmp.data());
           }
         }
       }
     }
-    fence_streaming_stores();
+    if (stream) fence_streaming_stores();
   });
 
   // Stage 2: sum the chunk partials column by column in chunk order.
   auto reduce_chunks = [&](const double* parts, acc_t* dst) {
-    at::parallel_for(0, Q * D, 256, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, Q * D, grain_for(num_chunks), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         double s = 0;
         for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * Q * D + j];
@@ -469,14 +573,6 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
 
 // ---------------------------------------------------------------- op entry points
 
-// The one dtype of the sources (and of the prefix); mixed dtypes are not yet
-// supported by these kernels.
-at::ScalarType single_dtype(const SourceRows& in, const at::Tensor& h_a) {
-  TORCH_CHECK(in.uniform_dtype() && (!h_a.defined() || h_a.scalar_type() == in.rows[0].scalar_type()),
-              "depth attention (cpu): sources and prefix of different dtypes are not supported yet");
-  return in.rows[0].scalar_type();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
@@ -485,19 +581,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
   at::Tensor h_a, lse_a;
   check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
   const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
-  const auto dtype = single_dtype(in, h_a);
   const auto acc = in.acc_dtype;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto opts = in.rows[0].options();
   std::vector<int64_t> qn = site.q_dims;
   qn.push_back(n);
-  at::Tensor out = empty_output(shape_with(site.q_dims, in.lead_shape, {in.dim}), opts);
+  at::Tensor out = empty_output(shape_with(site.q_dims, in.lead_shape, {in.dim}), opts.dtype(in.out_dtype));
   at::Tensor lse = at::empty(shape_with(site.q_dims, in.lead_shape), opts.dtype(acc));
   at::Tensor logits = at::empty(shape_with(qn, in.lead_shape), opts.dtype(acc));
   at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_fwd_cpu", [&] {
-    depth_attn_fwd_impl<scalar_t>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
-  });
+  if (acc == at::kDouble) {
+    depth_attn_fwd_impl<double>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else {
+    depth_attn_fwd_impl<float>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  }
   return {out, lse, logits, rinv};
 }
 
@@ -511,7 +608,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
   const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
   const int64_t n = static_cast<int64_t>(in.rows.size());
-  const auto dtype = single_dtype(in, h_a);
   const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
@@ -520,7 +616,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   };
   std::vector<int64_t> qn = site.q_dims;
   qn.push_back(n);
-  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), dtype);
+  const at::Tensor dy =
+      check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), in.out_dtype);
   const at::Tensor logits_c = check_saved(logits, "logits", shape_with(qn, in.lead_shape), acc);
   const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
   const at::Tensor dlse = grad_lse.has_value()
@@ -532,15 +629,18 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
 
   std::vector<at::Tensor> dsrc;
   dsrc.reserve(n);
-  for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), in.rows[0].options()));
+  for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), sources[i].options()));
   at::Tensor du = at::empty_like(site.u);
   at::Tensor dh_a = h_a.defined() ? empty_output(h_a.sizes(), h_a.options()) : at::empty({0}, in.rows[0].options());
   at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, site.u.options());
   at::Tensor dg = site.g.defined() ? at::empty_like(site.g) : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_bwd_cpu", [&] {
-    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
-                                  dh_a, dlse_a, dg);
-  });
+  if (acc == at::kDouble) {
+    depth_attn_bwd_impl<double>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
+                                dh_a, dlse_a, dg);
+  } else {
+    depth_attn_bwd_impl<float>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du, dh_a,
+                               dlse_a, dg);
+  }
   auto [d_query, d_norm, d_g] = site_param_grads(du, dg, query, norm_weight, out_norm_weight);
   return {dsrc, d_query, d_norm, dh_a, dlse_a, d_g};
 }
