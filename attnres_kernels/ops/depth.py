@@ -3,7 +3,8 @@
 Both validate their arguments in Python (:mod:`attnres_kernels._validation`),
 pick a backend (:mod:`attnres_kernels.ops._dispatch`) and run either the
 reference or the backend's ``depth_attn_fwd`` op, whose fake kernel and
-autograd are registered in :mod:`attnres_kernels.ops._registration`.
+autograd are registered in :mod:`attnres_kernels.ops._registration` (the C++
+op's autograd in ``csrc/autograd``).
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ from torch import Tensor
 from .. import reference
 from .._validation import Sources, check_depth_read, check_prefix
 from . import _dispatch, _native
-from ._registration import register_depth_attn_ops
+from ._registration import register_native_depth_attn_ops
 
 if _native.available():
-    register_depth_attn_ops(
-        "attnres::depth_attn_fwd", "attnres::depth_attn_bwd", torch.ops.attnres.depth_attn_bwd.default
-    )
+    register_native_depth_attn_ops()
 
 
 def _limit(dim: int, dtype: torch.dtype):
