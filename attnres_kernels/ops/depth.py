@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validation import Sources, check_depth_read, check_prefix
+from .._validation import Sources, check_depth_read, check_prefix_args
 from . import _dispatch, _native
 from ._registration import register_native_depth_attn_ops
 
@@ -149,8 +149,9 @@ def depth_attention_merge(
     Equals :func:`depth_attention` over ``A ∪ B``; see
     :func:`attnres_kernels.reference.depth_attention_merge`.
     """
-    args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    args, _ = check_prefix(args, prefix_out, prefix_lse)
+    args = check_prefix_args(
+        check_depth_read(query, sources, norm_weight, out_norm_weight, eps), prefix_out, prefix_lse
+    )
     chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
     if chosen == "reference":
         return reference.depth_attention_merge(

@@ -5,12 +5,14 @@
 // all arithmetic on a row is vectorized over D with at::vec in the
 // accumulation type acc_t (float, or double when the output dtype is fp64).
 //
-// Dtypes (DESIGN.md §2.5): the kernels are templates over acc_t only. Every
-// operand (each source, the prefix, the incoming gradient) is read in its own
-// dtype one row at a time (load_row: rows already in acc_t are used in place,
-// others are converted into a per-thread row buffer) and every output is
-// written in its own dtype (store_row), so sources of mixed dtypes need no
-// cast copies and one instantiation per accumulation type serves all mixes.
+// Dtypes (DESIGN.md §2.5): the kernels are templates over acc_t. Every operand
+// (each source, the prefix, the incoming gradient) is read in its own dtype one
+// row at a time (load_row: rows already in acc_t are used in place, others are
+// converted into a per-thread row buffer) and every output is written in its
+// own dtype (store_row), so sources of mixed dtypes need no cast copies and one
+// instantiation per accumulation type serves all mixes. The forward has two
+// more, for sources that are all bf16 or all fp16: those convert in registers
+// as they compute instead of through a row buffer.
 //
 // Determinism: every per-row result depends only on that row. The reductions
 // over rows (grad of query_key and of the out-norm weight) write one double
@@ -26,6 +28,7 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -227,18 +230,6 @@ inline T dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// y = y * a + b * x
-template <typename T>
-inline void scale_add(T* y, T a, T b, const T* x, int64_t n) {
-  using Vec = Vectorized<T>;
-  const Vec va(a), vb(b);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    at::vec::fmadd(vb, Vec::loadu(x + d), Vec::loadu(y + d) * va).store(y + d);
-  }
-  for (; d < n; ++d) y[d] = y[d] * a + b * x[d];
-}
-
 // y += b * x
 template <typename T>
 inline void axpy(T* y, T b, const T* x, int64_t n) {
@@ -280,6 +271,40 @@ inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* d
   return dot(x, x, n);
 }
 
+// The same for a bf16/fp16 row, accumulated in float: converted in registers
+// for one site; for several, converted into `buf` (n floats) first.
+template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
+inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t n, float* dots, float* buf) {
+  if (q_count != 1) return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
+  using bVec = Vectorized<T>;
+  using fVec = Vectorized<float>;
+  constexpr int64_t B = bVec::size(), W = fVec::size();
+  fVec ss0(0.f), ss1(0.f), dt0(0.f), dt1(0.f);
+  int64_t d = 0;
+  for (; d + B <= n; d += B) {
+    auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(x + d));
+    ss0 = at::vec::fmadd(x0, x0, ss0);
+    ss1 = at::vec::fmadd(x1, x1, ss1);
+    dt0 = at::vec::fmadd(x0, fVec::loadu(u + d), dt0);
+    dt1 = at::vec::fmadd(x1, fVec::loadu(u + d + W), dt1);
+  }
+  auto add = [](fVec& a, fVec& b) { return a + b; };
+  float ss = at::vec::vec_reduce_all<float>(add, ss0 + ss1);
+  float dt = at::vec::vec_reduce_all<float>(add, dt0 + dt1);
+  for (; d < n; ++d) {
+    const float xd = static_cast<float>(x[d]);
+    ss += xd * xd;
+    dt += xd * u[d];
+  }
+  dots[0] = dt;
+  return ss;
+}
+
+template <typename T>
+inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots, T* /*buf*/) {
+  return sumsq_and_dots(x, u, q_count, n, dots);
+}
+
 // dst += a * x * y, accumulated in double (the row reductions sum thousands of
 // terms; double keeps their rounding far below that of a single fp32 row).
 template <typename T>
@@ -295,11 +320,13 @@ inline void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
 }
 
 // α_i = softmax(logits)_i for one row (logits i at s[i * stride]), the prefix
-// logit lse_a included when given (its weight goes to *alpha_a). Recomputed
-// from the saved logits as exp(s - max) / Σ rather than exp(s - lse): the
-// rounding of lse to the accumulation type would cost |lse| ulps in every α.
+// logit lse_a included when given (its weight goes to *alpha_a); returns the
+// log-sum-exp of the logits. Computed as exp(s - max) / Σ, in the forward and
+// (from the saved logits) in the backward alike, rather than as exp(s - lse):
+// the rounding of lse to the accumulation type would cost |lse| ulps in every α.
+// A NaN logit makes every weight NaN, as in the reference softmax.
 template <typename T>
-inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, T* alpha, T* alpha_a) {
+inline T softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, T* alpha, T* alpha_a) {
   T top = lse_a != nullptr ? *lse_a : -std::numeric_limits<T>::infinity();
   for (int64_t i = 0; i < n; ++i) {
     const T x = s[i * stride];
@@ -310,19 +337,137 @@ inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_
   const T inv = T(1) / sum;
   for (int64_t i = 0; i < n; ++i) alpha[i] *= inv;
   *alpha_a = lse_a != nullptr ? std::exp(*lse_a - top) * inv : T(0);
+  return top + std::log(sum);
+}
+
+// h = Σ_i a_i x_i, plus b y when y is given: each vector of h is summed in a
+// register over the n rows and stored once (4 vectors per pass over the row
+// pointers, so each pointer and weight is loaded once per 4 vectors).
+template <typename T>
+inline void weighted_sum(const T* const* x, const T* a, int64_t n, const T* y, T b, int64_t dim, T* h) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  int64_t d = 0;
+  for (; d + 4 * W <= dim; d += 4 * W) {
+    Vec h0(T(0)), h1(T(0)), h2(T(0)), h3(T(0));
+    if (y != nullptr) {
+      const Vec vb(b);
+      h0 = Vec::loadu(y + d) * vb;
+      h1 = Vec::loadu(y + d + W) * vb;
+      h2 = Vec::loadu(y + d + 2 * W) * vb;
+      h3 = Vec::loadu(y + d + 3 * W) * vb;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* xi = x[i] + d;
+      const Vec ai(a[i]);
+      h0 = at::vec::fmadd(ai, Vec::loadu(xi), h0);
+      h1 = at::vec::fmadd(ai, Vec::loadu(xi + W), h1);
+      h2 = at::vec::fmadd(ai, Vec::loadu(xi + 2 * W), h2);
+      h3 = at::vec::fmadd(ai, Vec::loadu(xi + 3 * W), h3);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+    h2.store(h + d + 2 * W);
+    h3.store(h + d + 3 * W);
+  }
+  for (; d + W <= dim; d += W) {
+    Vec acc = y != nullptr ? Vec::loadu(y + d) * Vec(b) : Vec(T(0));
+    for (int64_t i = 0; i < n; ++i) acc = at::vec::fmadd(Vec(a[i]), Vec::loadu(x[i] + d), acc);
+    acc.store(h + d);
+  }
+  for (; d < dim; ++d) {
+    T acc = y != nullptr ? y[d] * b : T(0);
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * x[i][d];
+    h[d] = acc;
+  }
+}
+
+// weighted_sum over bf16/fp16 rows, converted to float in registers (2 x 32
+// elements per pass over the row pointers).
+template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
+inline void weighted_sum(const T* const* x, const float* a, int64_t n, const float* y, float b, int64_t dim, float* h) {
+  using bVec = Vectorized<T>;
+  using fVec = Vectorized<float>;
+  constexpr int64_t B = bVec::size(), W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * B <= dim; d += 2 * B) {
+    fVec h0(0.f), h1(0.f), h2(0.f), h3(0.f);
+    if (y != nullptr) {
+      const fVec vb(b);
+      h0 = fVec::loadu(y + d) * vb;
+      h1 = fVec::loadu(y + d + W) * vb;
+      h2 = fVec::loadu(y + d + 2 * W) * vb;
+      h3 = fVec::loadu(y + d + 3 * W) * vb;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* xi = x[i] + d;
+      const fVec ai(a[i]);
+      auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(xi));
+      auto [x2, x3] = at::vec::convert_to_float<T>(bVec::loadu(xi + B));
+      h0 = at::vec::fmadd(ai, x0, h0);
+      h1 = at::vec::fmadd(ai, x1, h1);
+      h2 = at::vec::fmadd(ai, x2, h2);
+      h3 = at::vec::fmadd(ai, x3, h3);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+    h2.store(h + d + 2 * W);
+    h3.store(h + d + 3 * W);
+  }
+  for (; d + B <= dim; d += B) {
+    fVec h0 = y != nullptr ? fVec::loadu(y + d) * fVec(b) : fVec(0.f);
+    fVec h1 = y != nullptr ? fVec::loadu(y + d + W) * fVec(b) : fVec(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(x[i] + d));
+      h0 = at::vec::fmadd(fVec(a[i]), x0, h0);
+      h1 = at::vec::fmadd(fVec(a[i]), x1, h1);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+  }
+  for (; d < dim; ++d) {
+    float acc = y != nullptr ? y[d] * b : 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(x[i][d]);
+    h[d] = acc;
+  }
 }
 
 // Fixed partition of M rows for the row reductions: depends on M only.
 inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
 
-// Smallest parallel task, in multiply-adds: below it, waking a second thread
-// costs more than the work it takes over, so small reads run on one thread.
-constexpr int64_t kMinTaskWork = int64_t(1) << 17;
+// Parallel work is cut into blocks of at least kBlockWork multiply-adds, and a
+// thread is started only for at least kMinTaskWork of them: below that, waking
+// a second thread costs more than the work it takes over, so small reads run on
+// one thread.
+constexpr int64_t kBlockWork = int64_t(1) << 15;
+constexpr int64_t kMinTaskWork = int64_t(1) << 18;
 
-// The grain of at::parallel_for over units (rows or chunks) of `work_per_unit` multiply-adds.
-inline int64_t grain_for(int64_t work_per_unit) {
-  return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_unit));
+// Units (rows) per block, for units of `work_per_unit` multiply-adds.
+inline int64_t block_units(int64_t work_per_unit) {
+  return std::max<int64_t>(1, kBlockWork / std::max<int64_t>(1, work_per_unit));
 }
+
+// Hands out blocks 0 .. count-1 one at a time to the threads of a parallel
+// region: each thread of at::parallel_for ignores the range it was given and
+// takes blocks until none is left. On a busy machine a thread that gets less
+// CPU time then takes fewer blocks, instead of every call waiting for an even
+// share to finish on it. (Results do not depend on which thread runs a block.)
+class BlockQueue {
+ public:
+  explicit BlockQueue(int64_t count) : count_(count) {}
+  bool next(int64_t& block) {
+    block = next_.fetch_add(1, std::memory_order_relaxed);
+    return block < count_;
+  }
+  // The at::parallel_for grain: blocks per thread started.
+  static int64_t grain(int64_t work_per_block) {
+    return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_block));
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t count_;
+};
 
 // ---------------------------------------------------------------- forward
 
@@ -341,13 +486,39 @@ ReadRows read_rows(const SourceRows& in, const at::Tensor& h_a) {
   return r;
 }
 
-template <typename acc_t>
+// Row slots for the sources that are not stored in T: each gets D elements of a
+// row buffer, where load_row converts its current row; rows in T need none.
+struct RowSlots {
+  std::vector<int64_t> offset;  // per source: offset into buf, or -1
+  int64_t size = 0;
+};
+
+template <typename T>
+RowSlots row_slots(const std::vector<InRows>& src, int64_t dim) {
+  RowSlots slots;
+  for (const auto& s : src) {
+    const bool in_place = s.dtype == c10::CppTypeToScalarType<T>::value;
+    slots.offset.push_back(in_place ? -1 : slots.size);
+    slots.size += in_place ? 0 : dim;
+  }
+  return slots;
+}
+
+// Forward, one row at a time. Pass A reads each source row once from memory:
+// its key-norm scale r_i and its Q logits. Then the softmax weights, and pass B
+// forms h_q = Σ_i α_qi v_i (+ α_qa h_a for a merge) from the rows, now in
+// cache, in registers (weighted_sum), applies the fused output norm and writes
+// it. src_t is the sources' dtype when they all share a reduced one (bf16,
+// fp16: both passes convert in registers); otherwise src_t = acc_t and each row
+// not stored in acc_t is converted once into its slot.
+template <typename acc_t, typename src_t>
 void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
                          at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
   const acc_t eps = static_cast<acc_t>(eps_d);
   const ReadRows rows = read_rows(in, h_a_t);
+  const RowSlots slots = row_slots<src_t>(rows.src, D);
   const OutRows out = out_rows(out_t, D);
   const bool stream = out_t.nbytes() >= kStreamBytes;
   const acc_t* u = u_t.const_data_ptr<acc_t>();
@@ -357,61 +528,41 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  at::parallel_for(0, M, grain_for((N + 1) * Q * D), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(Q * D), vbuf(D), tmp(D), dots(Q), mx(Q), denom(Q);
-    for (int64_t p = begin; p < end; ++p) {
-      // Online softmax state per site: running max `mx`, sum `denom`, and
-      // `acc` = Σ e^{s - mx} v. A prefix read enters as one source whose
-      // logit is lse_a and whose value is h_a (its weights already sum to 1).
-      for (int64_t q = 0; q < Q; ++q) {
-        acc_t* aq = acc.data() + q * D;
-        if (rows.h_a) {
-          const acc_t* row = load_row(rows.h_a, q * M + p, vbuf.data(), D);
-          std::copy(row, row + D, aq);
-          mx[q] = lse_a[q * M + p];
-          denom[q] = acc_t(1);
-        } else {
-          std::fill(aq, aq + D, acc_t(0));
-          mx[q] = -std::numeric_limits<acc_t>::infinity();
-          denom[q] = acc_t(0);
-        }
-      }
-      for (int64_t i = 0; i < N; ++i) {
-        if (p + 1 < end) prefetch_row(rows.src[i], p + 1, D);
-        const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
-        const acc_t ss = sumsq_and_dots(v, u, Q, D, dots.data());
-        const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
-        rinv[i * M + p] = r;
-        for (int64_t q = 0; q < Q; ++q) {
-          const acc_t s = r * dots[q];
-          logits[(q * N + i) * M + p] = s;
-          acc_t* aq = acc.data() + q * D;
-          if (s > mx[q] || std::isnan(s)) {  // new max (NaN propagates like the reference softmax)
-            const acc_t rescale = std::exp(mx[q] - s);
-            mx[q] = s;
-            denom[q] = denom[q] * rescale + acc_t(1);
-            scale_add(aq, rescale, acc_t(1), v, D);
+  const int64_t row_work = (N + 1) * Q * D;
+  const int64_t block = block_units(row_work), num_blocks = (M + block - 1) / block;
+  BlockQueue blocks(num_blocks);
+  at::parallel_for(0, num_blocks, BlockQueue::grain(block * row_work), [&](int64_t, int64_t) {
+    std::vector<src_t> rowbuf(slots.size);
+    std::vector<acc_t> h(D), habuf(D), vbuf(D), tmp(D), dots(Q), s(Q * N), alpha(Q * N);
+    std::vector<const src_t*> v(N);
+    for (int64_t b; blocks.next(b);)
+      for (int64_t p = b * block; p < std::min(M, (b + 1) * block); ++p) {
+        for (int64_t i = 0; i < N; ++i) {
+          if (p + 1 < M) prefetch_row(rows.src[i], p + 1, D);
+          if constexpr (std::is_same_v<src_t, acc_t>) {
+            v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
           } else {
-            const acc_t w = std::exp(s - mx[q]);
-            denom[q] += w;
-            axpy(aq, w, v, D);
+            v[i] = reinterpret_cast<const src_t*>(rows.src[i].data + p * rows.src[i].row_bytes);
           }
+          const acc_t ss = sumsq_and_dots(v[i], u, Q, D, dots.data(), vbuf.data());
+          const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
+          rinv[i * M + p] = r;
+          for (int64_t q = 0; q < Q; ++q) s[q * N + i] = logits[(q * N + i) * M + p] = r * dots[q];
+        }
+        for (int64_t q = 0; q < Q; ++q) {
+          acc_t alpha_a;
+          const acc_t* lse_a_q = lse_a != nullptr ? lse_a + q * M + p : nullptr;
+          lse[q * M + p] = softmax_weights(s.data() + q * N, 1, N, lse_a_q, alpha.data() + q * N, &alpha_a);
+          const acc_t* ha = rows.h_a ? load_row(rows.h_a, q * M + p, habuf.data(), D) : nullptr;
+          weighted_sum(v.data(), alpha.data() + q * N, N, ha, alpha_a, D, h.data());
+          if (g != nullptr) {
+            const acc_t rstd = acc_t(1) / std::sqrt(dot(h.data(), h.data(), D) / static_cast<acc_t>(D) + eps);
+            at::vec::map2<acc_t>([rstd](auto x, auto w) { return x * w * decltype(x)(rstd); }, h.data(), h.data(),
+                                 g + q * D, D);
+          }
+          store_row(h.data(), out, q * M + p, D, stream, tmp.data());
         }
       }
-      for (int64_t q = 0; q < Q; ++q) {
-        acc_t* aq = acc.data() + q * D;
-        lse[q * M + p] = mx[q] + std::log(denom[q]);
-        acc_t scale = acc_t(1) / denom[q];
-        if (g != nullptr) {
-          const acc_t mean_sq = dot(aq, aq, D) * scale * scale / static_cast<acc_t>(D);
-          scale *= acc_t(1) / std::sqrt(mean_sq + eps);
-          at::vec::map2<acc_t>([scale](auto a, auto w) { return a * w * decltype(a)(scale); }, aq, aq, g + q * D, D);
-        } else {
-          at::vec::map<acc_t>([scale](auto a) { return a * decltype(a)(scale); }, aq, aq, D);
-        }
-        store_row(aq, out, q * M + p, D, stream, tmp.data());
-      }
-    }
     if (stream) fence_streaming_stores();
   });
 }
@@ -429,6 +580,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   const acc_t eps = static_cast<acc_t>(eps_d);
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
   const ReadRows rows = read_rows(in, h_a_t);
+  const RowSlots slots = row_slots<acc_t>(rows.src, D);
   const bool has_prefix = static_cast<bool>(rows.h_a);
   std::vector<OutRows> dsrc(N);
   int64_t grad_bytes = 0;
@@ -457,17 +609,23 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   double* du_parts = du_part.mutable_data_ptr<double>();
   double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
 
-  at::parallel_for(0, num_chunks, grain_for(chunk * (2 * N + 2) * Q * D), [&](int64_t c_begin, int64_t c_end) {
-    // do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf: recomputed h_q
-    // (out-norm only); alpha/dp: softmax weights and <do_q, v_i> of the row.
-    std::vector<acc_t> do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D), tmp(D);
+  BlockQueue chunks(num_chunks);
+  at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
+    // v: the row of every source as acc_t (converted once per row into rowbuf
+    // when needed); do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf:
+    // recomputed h_q (out-norm only); alpha/dp: softmax weights and <do_q, v_i>.
+    std::vector<acc_t> rowbuf(slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D), tmp(D);
     std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q);
-    for (int64_t c = c_begin; c < c_end; ++c) {
+    std::vector<const acc_t*> v(N);
+    for (int64_t c; chunks.next(c);) {
       double* du_c = du_parts + c * Q * D;
       double* dg_c = g != nullptr ? dg_parts + c * Q * D : nullptr;
       std::fill(du_c, du_c + Q * D, 0.0);
       if (dg_c != nullptr) std::fill(dg_c, dg_c + Q * D, 0.0);
       for (int64_t p = c * chunk; p < std::min(M, (c + 1) * chunk); ++p) {
+        for (int64_t i = 0; i < N; ++i) {
+          v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
+        }
         for (int64_t q = 0; q < Q; ++q) {
           softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
                           alpha_a.data() + q);
@@ -476,14 +634,10 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
-          std::fill(hbuf.begin(), hbuf.end(), acc_t(0));
-          for (int64_t i = 0; i < N; ++i) {
-            const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
-            for (int64_t q = 0; q < Q; ++q) axpy(hbuf.data() + q * D, alpha[q * N + i], v, D);
-          }
           for (int64_t q = 0; q < Q; ++q) {
             acc_t* hq = hbuf.data() + q * D;
-            if (has_prefix) axpy(hq, alpha_a[q], load_row(rows.h_a, q * M + p, vbuf.data(), D), D);
+            const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
+            weighted_sum(v.data(), alpha.data() + q * N, N, ha, alpha_a[q], D, hq);
             const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + eps);
             acc_t* dq = do_.data() + q * D;  // holds dy_q on entry
             accumulate_product(dg_c + q * D, rstd, dq, hq, D);
@@ -497,9 +651,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
         for (int64_t i = 0; i < N; ++i) {
-          const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
           for (int64_t q = 0; q < Q; ++q) {
-            dp[q * N + i] = dot(do_.data() + q * D, v, D);
+            dp[q * N + i] = dot(do_.data() + q * D, v[i], D);
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
         }
@@ -523,11 +676,11 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             c2 += ds * logits[qi * M + p];
           }
           c2 *= r * r * inv_d;
-          const acc_t* v = load_row(rows.src[i], p, vbuf.data(), D);
+          const acc_t* vi = v[i];
           acc_t* dv_row = dvbuf.data();
           int64_t d = 0;
           for (; d + Vec::size() <= D; d += Vec::size()) {
-            const Vec vv = Vec::loadu(v + d);
+            const Vec vv = Vec::loadu(vi + d);
             Vec dv = vv * Vec(-c2);
             for (int64_t q = 0; q < Q; ++q) {
               dv = at::vec::fmadd(Vec(alpha[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
@@ -536,11 +689,11 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             dv.store(dv_row + d);
           }
           for (; d < D; ++d) {
-            acc_t dv = -c2 * v[d];
+            acc_t dv = -c2 * vi[d];
             for (int64_t q = 0; q < Q; ++q) dv += alpha[q * N + i] * do_[q * D + d] + c1[q] * u[q * D + d];
             dv_row[d] = dv;
           }
-          for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], v, D);
+          for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], vi, D);
           store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
         }
         if (has_prefix) {
@@ -559,7 +712,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
 
   // Stage 2: sum the chunk partials column by column in chunk order.
   auto reduce_chunks = [&](const double* parts, acc_t* dst) {
-    at::parallel_for(0, Q * D, grain_for(num_chunks), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, Q * D, BlockQueue::grain(num_chunks), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         double s = 0;
         for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * Q * D + j];
@@ -590,10 +743,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
   at::Tensor lse = at::empty(shape_with(site.q_dims, in.lead_shape), opts.dtype(acc));
   at::Tensor logits = at::empty(shape_with(qn, in.lead_shape), opts.dtype(acc));
   at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
+  const auto src_dtype = in.uniform_dtype() ? in.rows[0].scalar_type() : acc;
   if (acc == at::kDouble) {
-    depth_attn_fwd_impl<double>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    depth_attn_fwd_impl<double, double>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else if (src_dtype == at::kBFloat16) {
+    depth_attn_fwd_impl<float, at::BFloat16>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else if (src_dtype == at::kHalf) {
+    depth_attn_fwd_impl<float, at::Half>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
   } else {
-    depth_attn_fwd_impl<float>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    depth_attn_fwd_impl<float, float>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
   }
   return {out, lse, logits, rinv};
 }
