@@ -187,6 +187,8 @@ def attn_bwd(grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal: bo
     acc, acc_tl, dot = _dtypes(q.dtype)
     cfg = kernel_config(head_dim, q.dtype)
     grad_q, grad_k, grad_v = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    if q.numel() == 0:  # no query reads a key (H = 0 would also make the head group size 0)
+        return grad_q, grad_k.zero_(), grad_v.zero_()
     lse = lse.contiguous()
     delta = q.new_empty((batch, heads, tq), dtype=acc)
     mask, *mask_strides = _mask_args(key_padding_mask)
