@@ -15,9 +15,15 @@ attention, so that the depth reads are what differs between models).
 ``steps`` times one AdamW step (forward, backward, optimizer) of every model,
 round-robin (one step of each model per round, so load on the shared machine
 hits all models alike), and prints the median, quartiles and the ratio of
-medians to Standard. ``memory`` prints the bytes autograd saves for backward
-(distinct storages) and the peak-RSS growth of one forward+backward, without
-and with ``checkpoint=True``. ``compile`` compares eager and
+medians to the first model. By default torch runs 1 thread and a step is timed
+by the CPU time of that thread (``time.thread_time``), which waiting for a core
+on a loaded machine does not inflate; ``--threads N`` (N > 1) times wall clock.
+``memory`` prints, without and with ``checkpoint=True``, the bytes autograd
+saves for backward (distinct storages, seen by a ``saved_tensors_hooks``: with
+checkpointing only what is saved outside the recomputed layers) and the growth
+of the process's resident memory over the forward (what the forward leaves
+alive for backward, measured in a fresh process with glibc returning every
+allocation above 128 KiB to the system when freed). ``compile`` compares eager and
 ``torch.compile(model, fullgraph=True)`` (Inductor): compile time of the first
 step and the step times after it.
 """
@@ -26,8 +32,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -70,7 +76,9 @@ def build(name: str, config: str, vocab: int, backend: str, attention: str, **ex
         return ak.nn.StandardTransformer(**common)
     if kind == "Full":
         return ak.nn.FullAttnResTransformer(**common, chunk_size=int(option or ak.nn.DEFAULT_CHUNK_SIZE))
-    return ak.nn.BlockAttnResTransformer(**common, layers_per_block=per_block, schedule=option or "two_phase")
+    return ak.nn.BlockAttnResTransformer(
+        **common, layers_per_block=per_block, schedule=option or ak.nn.DEFAULT_BLOCK_SCHEDULE
+    )
 
 
 def loss_of(model, x, y):
@@ -87,15 +95,16 @@ def train_step(model, opt, x, y):
 
 def time_round_robin(steps: dict, rounds: int, warmup: int = 3) -> dict:
     """Seconds of every call of each ``steps[name]()``, one call of each per round."""
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
     for fn in steps.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, fn in steps.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 
@@ -119,24 +128,38 @@ def cmd_steps(args) -> None:
     print_times(time_round_robin(steps, args.rounds), args.models[0])
 
 
-def peak_rss_growth(fn) -> int:
-    """Growth of the process's peak RSS (bytes) while running ``fn``: a lower bound of
-    its peak memory, 0 when it stays below an earlier peak (run the larger case last)."""
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn()
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cmd_rss(args) -> None:
+    """(Child process of ``memory``.) Prints the resident-memory growth over one forward."""
+    vocab, x, y = batch(args.config)
+    model = build(args.models[0], args.config, vocab, args.backend, args.attention, checkpoint=args.checkpoint)
+    loss_of(model, x, y).backward()  # first step: gradients and lazily built state exist from here on
+    model.zero_grad(set_to_none=False)
+    before = resident_bytes()
+    loss = loss_of(model, x, y)
+    print(resident_bytes() - before)
+    loss.backward()
 
 
 def cmd_memory(args) -> None:
     vocab, x, y = batch(args.config)
-    print("| model | saved for backward (MiB) | with checkpoint=True (MiB) | ratio |")
-    print("|---|---|---|---|")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    print("| model | saved for backward (MiB) | with ckpt (MiB) | forward RSS growth (MiB) | with ckpt (MiB) |")
+    print("|---|---|---|---|---|")
     for name in args.models:
-        row = []
+        saved, rss = [], []
         for ckpt in (False, True):
             model = build(name, args.config, vocab, args.backend, args.attention, checkpoint=ckpt)
-            row.append(saved_activation_bytes(lambda model=model: loss_of(model, x, y)))
-        print(f"| {name} | {row[0] / 2**20:.2f} | {row[1] / 2**20:.2f} | {row[1] / row[0]:.3f} |")
+            saved.append(saved_activation_bytes(lambda model=model: loss_of(model, x, y)) / 2**20)
+            child = [sys.executable, os.path.abspath(__file__), "rss", "--config", args.config, "--models", name]
+            child += ["--backend", args.backend, "--attention", args.attention] + (["--checkpoint"] if ckpt else [])
+            out = subprocess.run(child, env=env, capture_output=True, text=True, check=True).stdout
+            rss.append(int(out.strip().splitlines()[-1]) / 2**20)
+        print(f"| {name} | {saved[0]:.2f} | {saved[1]:.2f} | {rss[0]:.2f} | {rss[1]:.2f} |")
 
 
 def cmd_compile(args) -> None:
@@ -161,22 +184,25 @@ def cmd_compile(args) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("steps", "memory", "compile"))
+    parser.add_argument("command", choices=("steps", "memory", "compile", "rss"))
     parser.add_argument("--config", choices=tuple(CONFIGS), default="demo")
     parser.add_argument("--models", nargs="+", default=None)
     parser.add_argument("--backend", default="auto", choices=ak.BACKENDS)
     parser.add_argument("--attention", default="sdpa", help="attention backend of the models (default sdpa)")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--checkpoint", action="store_true", help="(rss) build the model with checkpoint=True")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: thread CPU time)")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     args.models = args.models or (
         DEFAULT_MODELS if args.command == "steps" else ["Standard", "Full", "Block:per_site", "Block:two_phase"]
     )
+    if args.command == "rss":
+        return cmd_rss(args)
     print(
         f"# {args.command}, config {args.config} {CONFIGS[args.config]}, depth backend {args.backend}, "
-        f"attention {args.attention}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"attention {args.attention}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"clock: {'thread CPU time' if torch.get_num_threads() == 1 else 'wall'}"
     )
     {"steps": cmd_steps, "memory": cmd_memory, "compile": cmd_compile}[args.command](args)
 

@@ -9,10 +9,17 @@ from .layers import (
     ShardedSiteError,
     StandardLayer,
 )
-from .models import DEFAULT_CHUNK_SIZE, BlockAttnResTransformer, FullAttnResTransformer, StandardTransformer
+from .models import (
+    DEFAULT_BLOCK_SCHEDULE,
+    DEFAULT_CHUNK_SIZE,
+    BlockAttnResTransformer,
+    FullAttnResTransformer,
+    StandardTransformer,
+)
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 __all__ = [
+    "DEFAULT_BLOCK_SCHEDULE",
     "DEFAULT_CHUNK_SIZE",
     "BlockAttnResLayer",
     "BlockAttnResState",

@@ -36,9 +36,13 @@ from .. import ops
 from . import layers as L
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
-# Full AttnRes: sites per chunk of the chunked schedule; chosen by measurement
-# (see the report of benchmarks/model_steps.py).
-DEFAULT_CHUNK_SIZE = 1
+# Defaults chosen by measuring train steps (benchmarks/model_steps.py, CPU, the demo
+# config and d=256, L=12, T=128, B=4) with the kernels of the time: chunks of 4 sites
+# were 7-11 % faster than site by site (8 similar, 2 half as much); the two-phase
+# Block schedule was 3-7 % slower than per-site while its Block step ran unfused.
+# Re-measure when the kernels change.
+DEFAULT_CHUNK_SIZE = 4
+DEFAULT_BLOCK_SCHEDULE = "per_site"
 
 BLOCK_SCHEDULES = ("two_phase", "per_site")
 
@@ -165,8 +169,8 @@ class _AttnResLM(_DecoderLM):
 class FullAttnResTransformer(_AttnResLM):
     """Full AttnRes: every sublayer output is a source of every later read.
 
-    ``chunk_size``: sites per chunk of the chunked schedule (1: site by site);
-    see :mod:`attnres_kernels.nn.models`."""
+    ``chunk_size``: sites per chunk of the chunked schedule (1: site by site;
+    default :data:`DEFAULT_CHUNK_SIZE`); see :mod:`attnres_kernels.nn.models`."""
 
     def __init__(
         self,
@@ -231,7 +235,8 @@ class BlockAttnResTransformer(_AttnResLM):
     """Block AttnRes: reads over committed blocks of ``layers_per_block`` layers plus the partial sum.
 
     ``schedule``: ``"two_phase"`` (one multi-query read of the committed blocks per
-    block, then the fused Block step per site) or ``"per_site"``."""
+    block, then the fused Block step per site) or ``"per_site"`` (default:
+    :data:`DEFAULT_BLOCK_SCHEDULE`)."""
 
     def __init__(
         self,
@@ -241,7 +246,7 @@ class BlockAttnResTransformer(_AttnResLM):
         n_heads: int,
         *,
         layers_per_block: int,
-        schedule: str = "two_phase",
+        schedule: str = DEFAULT_BLOCK_SCHEDULE,
         eps: float = 1e-6,
         backend: str = "auto",
         attention_backend: str = "auto",
