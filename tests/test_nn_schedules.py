@@ -186,3 +186,46 @@ def test_depth_weights_of_a_two_phase_model_read_site_by_site():
     assert len(wa) == len(wb) == 9
     for a, b in zip(wa, wb):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_two_phase_block_calls_a_fused_block_step_with_its_schema(monkeypatch):
+    """Where a backend has ``block_step_fwd``, phase 2 is one call of it per site, with the
+    arguments in schema order (a stand-in op computed by the reference checks them)."""
+    calls = []
+
+    def fake_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+        assert partial is None or partial.shape == update.shape
+        assert query.shape == norm_weight.shape == out_norm_weight.shape == (D,)
+        assert prefix_out.shape == update.shape and prefix_lse.shape == update.shape[:-1]
+        assert prefix_lse.dtype == torch.float32 and isinstance(eps, float)
+        calls.append(partial is None)
+        new_partial, out, lse = reference.block_step(
+            partial,
+            update,
+            query,
+            prefix_out,
+            prefix_lse,
+            norm_weight,
+            eps=eps,
+            out_norm_weight=out_norm_weight,
+            return_lse=True,
+        )
+        return new_partial, out, lse, torch.zeros_like(lse), torch.zeros_like(lse)
+
+    original_fused_op = nn_layers._dispatch.fused_op
+    monkeypatch.setattr(nn_layers, "fused_step_backend", lambda depth: depth)
+    monkeypatch.setattr(
+        nn_layers._dispatch,
+        "fused_op",
+        lambda backend, name: fake_block_step_fwd if name == "block_step_fwd" else original_fused_op(backend, name),
+    )
+    ref = perturbed(reference.BlockAttnResTransformer(VOCAB, D, 5, HEADS, layers_per_block=2))
+    model = ak.nn.BlockAttnResTransformer(
+        VOCAB, D, 5, HEADS, layers_per_block=2, schedule="two_phase", backend="cpu", attention_backend="sdpa"
+    )
+    model.load_state_dict(ref.state_dict())
+    idx, target = torch.randint(0, VOCAB, (2, 6)), torch.randn(2, 6, VOCAB)
+    assert_same_model_outputs(logits_and_grads(model, idx, target), logits_and_grads(ref, idx, target), "fused step")
+    # 11 sites in blocks of layers {0, 1}, {2, 3}, {4}: every site but the first of a block
+    # runs a step (8); the MLP site of a block's first layer has no partial sum yet.
+    assert calls == [True, False, False, True, False, False, True, False]

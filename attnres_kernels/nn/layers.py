@@ -182,7 +182,7 @@ def merge_read(backends: Backends, prefix: tuple, sources, site: DepthAttentionS
     )
 
 
-def block_step(backends: Backends, partial, update, site: DepthAttentionSite, prefix: tuple, out_norm_weight, eps):
+def phase2_step(backends: Backends, partial, update, site: DepthAttentionSite, prefix: tuple, out_norm_weight, eps):
     """``partial + update`` and the site's phase-2 read (its phase-1 ``prefix`` merged
     with the new sum, PreNorm fused): ``(new_partial, x)``, fused when the backend has
     the Block-step kernel."""
@@ -339,11 +339,11 @@ class BlockAttnResLayer(_AttnResLayer):
             partial, x = None, _rms_norm(h[0], self.attn_norm.weight, eps)
         else:
             prefix = (state.prefix_out[row], state.prefix_lse[row])
-            partial, x = block_step(
+            partial, x = phase2_step(
                 backends, state.partial, state.pending, self.attn_site, prefix, self.attn_norm.weight, eps
             )
         prefix = (state.prefix_out[row + 1], state.prefix_lse[row + 1])
-        partial, x = block_step(backends, partial, self.attn(x), self.mlp_site, prefix, self.mlp_norm.weight, eps)
+        partial, x = phase2_step(backends, partial, self.attn(x), self.mlp_site, prefix, self.mlp_norm.weight, eps)
         return state._replace(partial=partial, pending=self.mlp(x))
 
     def _per_site(self, backends: Backends, state: BlockAttnResState) -> BlockAttnResState:

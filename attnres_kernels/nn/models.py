@@ -292,7 +292,7 @@ class BlockAttnResTransformer(_AttnResLM):
             h, weights = L.site_read(backends, state.sources, self.out_site, norm_weight, self.eps, state.weights)
             return self.head(h), weights
         prefix = (state.prefix_out[self._out_row], state.prefix_lse[self._out_row])
-        _, h = L.block_step(backends, state.partial, state.pending, self.out_site, prefix, norm_weight, self.eps)
+        _, h = L.phase2_step(backends, state.partial, state.pending, self.out_site, prefix, norm_weight, self.eps)
         return self.head(h), None
 
     def shard_units(self) -> list:
