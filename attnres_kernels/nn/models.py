@@ -23,7 +23,10 @@ Schedules of the depth reads (same results up to rounding, same parameters):
 
 FSDP2: ``for unit in model.shard_units(): fully_shard(unit)`` then
 ``fully_shard(model)``. The per-site schedules shard each layer on its own;
-the multi-query schedules need the layers of a block (chunk) in one unit.
+the multi-query schedules need the layers of a block (chunk) in one unit: the
+unit's first layer reads the queries of all its sites (and, in the last unit,
+those of the root's output site). The boundaries between units are also where
+a pipeline can cut the stack, with the last unit on the stage of the head.
 """
 
 from __future__ import annotations
