@@ -82,7 +82,9 @@ def test_two_phase_block_runs_one_multi_query_read_per_block(monkeypatch):
     """L=6, S=2: phase 1 reads blocks 0..b with Q = 4, 4 and 5 sites (the last block's
     sites and the output site) on the C++ op; every other read merges one source."""
     model = perturbed(
-        ak.nn.BlockAttnResTransformer(VOCAB, D, 6, HEADS, layers_per_block=2, backend="cpu", attention_backend="sdpa")
+        ak.nn.BlockAttnResTransformer(
+            VOCAB, D, 6, HEADS, layers_per_block=2, schedule="two_phase", backend="cpu", attention_backend="sdpa"
+        )
     )
     calls = spy_reads(monkeypatch)
     idx = torch.randint(0, VOCAB, (2, 5))
@@ -166,7 +168,7 @@ def test_state_crosses_layer_boundaries(kind, kwargs):
 
 
 def test_shard_units_follow_the_schedule():
-    block = ak.nn.BlockAttnResTransformer(VOCAB, D, 7, HEADS, layers_per_block=3)
+    block = ak.nn.BlockAttnResTransformer(VOCAB, D, 7, HEADS, layers_per_block=3, schedule="two_phase")
     assert [[list(block.layers).index(m) for m in u] for u in block.shard_units()] == [[0, 1, 2], [3, 4, 5], [6]]
     per_site = ak.nn.BlockAttnResTransformer(VOCAB, D, 3, HEADS, layers_per_block=3, schedule="per_site")
     assert [len(u) for u in per_site.shard_units()] == [1, 1, 1]
@@ -178,7 +180,9 @@ def test_shard_units_follow_the_schedule():
 
 def test_depth_weights_of_a_two_phase_model_read_site_by_site():
     ref = perturbed(reference.BlockAttnResTransformer(VOCAB, D, 4, HEADS, layers_per_block=2))
-    model = ak.nn.BlockAttnResTransformer(VOCAB, D, 4, HEADS, layers_per_block=2, attention_backend="sdpa")
+    model = ak.nn.BlockAttnResTransformer(
+        VOCAB, D, 4, HEADS, layers_per_block=2, schedule="two_phase", attention_backend="sdpa"
+    )
     model.load_state_dict(ref.state_dict())
     idx = torch.randint(0, VOCAB, (2, 6))
     (la, wa), (lb, wb) = ref(idx, return_depth_weights=True), model(idx, return_depth_weights=True)
