@@ -136,12 +136,6 @@ def test_torch_checkpoint_around_layers(name):
 
 # ---------------------------------------------------------------- mixed precision
 
-CPU_MIXED_PENDING = pytest.mark.xfail(
-    raises=RuntimeError,
-    strict=True,
-    reason="TODO(H2): the C++ CPU depth read does not take mixed source dtypes yet; remove this mark when it does",
-)
-
 
 def train(model, idx, target, steps, autocast_dtype=None, device_type="cpu"):
     """Losses of ``steps`` AdamW steps (lr 1e-3) of cross-entropy, optionally under autocast."""
@@ -218,8 +212,7 @@ ATTNRES = sorted(set(MODELS) - {"Standard"})
 
 @pytest.mark.parametrize(
     "name,backend",
-    [(name, "reference") for name in sorted(MODELS)]
-    + [pytest.param(name, "cpu", marks=CPU_MIXED_PENDING) for name in ATTNRES],
+    [(name, "reference") for name in sorted(MODELS)] + [(name, "cpu") for name in ATTNRES],
 )
 def test_autocast_bf16_training_matches_the_reference_model(name, backend, monkeypatch):
     """CPU autocast (bf16): the embedding stays fp32 while sublayer outputs are bf16, so

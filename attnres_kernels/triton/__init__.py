@@ -20,10 +20,12 @@ except ImportError as exc:
 # Kernels are decorated at import time; the interpreter must be chosen before that.
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# Widest row the kernels keep in registers (one program holds a whole row);
-# fp64 rows take two registers per element, so half as wide.
+# Widest row the kernels keep in registers (one program holds a whole row).
+# fp64 rows take two registers per element, and the mixed-dtype backward keeps
+# one typed pointer per source slot: at D = 4096 its fp64 kernel spills, so fp64
+# rows are a quarter as wide (see python -m attnres_kernels.triton.check).
 MAX_DIM = 8192
 
 
 def max_dim(dtype: torch.dtype) -> int:
-    return MAX_DIM // 2 if dtype == torch.float64 else MAX_DIM
+    return MAX_DIM // 4 if dtype == torch.float64 else MAX_DIM
