@@ -63,7 +63,9 @@ def _cuda_label(demangled: str) -> tuple:
     m = KERNEL.search(demangled)
     name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
     acc = "acc=fp64" if args[0] == "double" else "acc=fp32"
-    config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) == 4 else "-"
+    config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
+    if len(args) == 5:  # the backward, without and with the fused output norm
+        config += f" norm={int(args[4] == 'true')}"
     return name, acc, config
 
 

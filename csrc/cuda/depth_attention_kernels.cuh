@@ -140,28 +140,27 @@ enum class Pass { kForward, kBackward };
 // the backward do, h and du (u, g, dg in shared memory) plus about ten scalars per
 // site. Measured with ptxas -v on sm_80/sm_90 (python -m attnres_kernels.check):
 // beyond these limits the kernels spill.
-constexpr int kMaxTileElems[2] = {32, 8};   // QT * K * G per thread (forward, backward)
-constexpr int kMaxTileWords[2] = {32, 16};  // the same in 32-bit words (fp64 takes two)
-constexpr int kMaxSiteWords[2] = {8, 2};    // QT in 32-bit words: the per-site scalars
-constexpr int kMaxGroupElems[2] = {16, 8};  // K * G: one site's row elements per thread
-constexpr int kMaxSiteTile[2] = {8, 2};
-constexpr int kMaxThreads = 512;            // per team: leaves 128 registers per thread
-constexpr int kMaxSharedTileBytes = 16384;  // per staged parameter array when QT > 1
+constexpr int kMaxTileElems[2] = {32, 8};             // QT * K * G per thread (forward, backward)
+constexpr int kMaxTileWords[2] = {32, 16};            // the same in 32-bit words (fp64 takes two)
+constexpr int kMaxGroupElems[2] = {16, 8};            // K * G: one site's row elements per thread
+constexpr int kMaxSiteTile[2][2] = {{8, 2}, {2, 1}};  // QT [pass][acc_double]: the per-site scalars
+constexpr int kMaxThreads = 512;                      // per team: leaves 128 registers per thread
+constexpr int kMaxSharedTileBytes = 16384;            // per staged parameter array when QT > 1
 
 // Widest row the kernels hold: 512 threads x 8 elements (the backward's limit).
 constexpr int64_t kMaxDim = 4096;
 
 // Whether the plan below can choose tile (G, K, QT): the kernels are instantiated
-// for exactly these. The plan takes K = 2 or 4 groups per thread only for
-// D > 512 G (K / 2), so with at least 288 threads, and a site tile of QT > 1 must
-// stage at most kMaxSharedTileBytes per array.
+// for exactly these. The plan takes K = 2 groups per thread only for D > 512 G,
+// so with at least 288 threads, and a site tile of QT > 1 must stage at most
+// kMaxSharedTileBytes per array.
 constexpr bool tile_fits(Pass pass, bool acc_double, int G, int K, int QT) {
   const int p = pass == Pass::kBackward ? 1 : 0;
   const int acc_words = acc_double ? 2 : 1;
   const int64_t min_row_tile = K == 1 ? int64_t(kWarpSize) * G : int64_t(kMaxThreads / 2 + kWarpSize) * K * G;
   return (G == 4 || G == 8) && (K == 1 || int64_t(kMaxThreads) * G * (K / 2) < kMaxDim) && K * G <= kMaxGroupElems[p] &&
          QT * K * G <= kMaxTileElems[p] && QT * K * G * acc_words <= kMaxTileWords[p] &&
-         QT * acc_words <= kMaxSiteWords[p] && (QT == 1 || QT * min_row_tile * 4 * acc_words <= kMaxSharedTileBytes);
+         QT <= kMaxSiteTile[p][acc_double] && (QT == 1 || QT * min_row_tile * 4 * acc_words <= kMaxSharedTileBytes);
 }
 
 template <int... Vs, typename F>
@@ -210,7 +209,7 @@ inline DepthPlan plan_depth_attn(Pass pass, int64_t M, int64_t D, int64_t Q, int
   const int64_t row_tile = int64_t(plan.threads) * plan.groups_per_thread * plan.group;
   const int p = pass == Pass::kBackward ? 1 : 0;
   plan.site_tile = 1;
-  for (int qt = 2; qt <= kMaxSiteTile[p] && qt < 2 * Q; qt *= 2) {
+  for (int qt = 2; qt <= kMaxSiteTile[p][acc_double] && qt < 2 * Q; qt *= 2) {
     if (!tile_fits(pass, acc_double, plan.group, plan.groups_per_thread, qt)) break;
     if (qt * row_tile * acc_bytes > kMaxSharedTileBytes) break;
     plan.site_tile = qt;
@@ -427,15 +426,28 @@ __device__ __forceinline__ void load_row(const void* row, int32_t dtype, int64_t
   }
 }
 
+// Stores this thread's elements of a row of `dtype`; with `accumulate`, adds
+// them to the row's values first (group by group: one group of old values live).
 template <int G, int K, typename acc_t>
-__device__ __forceinline__ void store_row(void* row, int32_t dtype, int64_t D, bool vec, const acc_t (&x)[K][G]) {
+__device__ __forceinline__ void store_row(void* row, int32_t dtype, int64_t D, bool vec, const acc_t (&x)[K][G],
+                                          bool accumulate = false) {
   const int size = dtype_size(dtype);
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t d0 = group_start<G>(k);
+    char* p = static_cast<char*>(row) + d0 * size;
     RawGroup<G, acc_t> raw;
-    encode(x[k], dtype, raw);
-    store_group(static_cast<char*>(row) + d0 * size, size, vec, D - d0, raw);
+    if (accumulate) {
+      acc_t sum[G];
+      load_group(p, size, vec, D - d0, raw);
+      decode(raw, dtype, sum);
+#pragma unroll
+      for (int e = 0; e < G; ++e) sum[e] += x[k][e];
+      encode(sum, dtype, raw);
+    } else {
+      encode(x[k], dtype, raw);
+    }
+    store_group(p, size, vec, D - d0, raw);
   }
 }
 
@@ -646,7 +658,9 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
 
 // ------------------------------------------------------------------ backward
 
-template <typename acc_t, int G, int K, int QT>
+// kNorm (the fused output norm) is a template parameter: the two variants of
+// pass A together would not fit the register budget.
+template <typename acc_t, int G, int K, int QT, bool kNorm>
 __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const int N = a.num_sources, Q = a.num_sites;
@@ -654,7 +668,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
   const int nq = imin(QT, Q - q0);
   const int64_t chunk = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (chunk >= a.num_chunks) return;  // only one-warp teams come several to a block; they use no block barrier
-  const bool has_prefix = a.prefix_out != nullptr, has_norm = a.g != nullptr;
+  const bool has_prefix = a.prefix_out != nullptr;
+  constexpr bool has_norm = kNorm;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
   const int64_t tile = int64_t(QT) * K * G * blockDim.x;
   acc_t* smem = dynamic_shared<acc_t>();
@@ -662,7 +677,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
   const SiteTile<acc_t, G, K, QT> g{smem + (blockDim.y + threadIdx.y) * tile};
   const SiteTile<acc_t, G, K, QT> dg{smem + (2 * blockDim.y + threadIdx.y) * tile};  // Σ over the chunk's rows
   u.stage(a.u + int64_t(q0) * D, nq, D);
-  if (has_norm) {
+  if constexpr (has_norm) {
     g.stage(a.g + int64_t(q0) * D, nq, D);
     dg.zero();
   }
@@ -710,7 +725,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
     }
 
     acc_t delta[QT], dp_a[QT];
-    if (has_norm) {
+    if constexpr (has_norm) {
       // Pass A: h_q = Σ_i α_qi v_i (+ α_a h_a) in registers, then do through the output norm.
       acc_t h[QT][K][G];
 #pragma unroll
@@ -867,15 +882,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
         }
       const RowRef dst = load_uniform(a.grads + i);
       void* drow = const_cast<void*>(row_ptr(dst.data, dst.dtype, dst.row_stride, p));
-      if (a.accumulate) {
-        acc_t old[K][G];
-        load_row(drow, dst.dtype, D, a.vec, old);
-#pragma unroll
-        for (int k = 0; k < K; ++k)
-#pragma unroll
-          for (int e = 0; e < G; ++e) v[k][e] += old[k][e];
-      }
-      store_row(drow, dst.dtype, D, a.vec, v);
+      store_row(drow, dst.dtype, D, a.vec, v, a.accumulate);
     }
   }
   // This chunk's partial sums of du (and dg) over its rows.
@@ -884,7 +891,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
     if (q >= nq) continue;
     const int64_t prow = chunk * Q + q0 + q;
     store_acc_row(a.du_part + prow * D, D, a.vec, du[q]);
-    if (has_norm) {
+    if constexpr (has_norm) {
       acc_t dg_row[K][G];
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -939,6 +946,7 @@ void launch_depth_attn_fwd(Runtime& rt, const DepthPlan& plan, const FwdParams<a
 template <typename acc_t, typename Runtime>
 void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> params, acc_t* du, acc_t* dg) {
   constexpr bool kDouble = std::is_same_v<acc_t, double>;
+  const bool norm = params.g != nullptr;
   for (int t = 0; t < plan.site_tiles; ++t) {
     params.first_site = t * plan.site_tile;
     params.accumulate = t > 0;
@@ -946,9 +954,13 @@ void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> 
     for_each_tile([&](auto G, auto K, auto QT) {
       if constexpr (tile_fits(Pass::kBackward, kDouble, G, K, QT)) {
         if (plan.group == G && plan.groups_per_thread == K && plan.site_tile == QT) {
-          rt.launch(tile_name("depth_attn_bwd", kDouble, G, K, QT), &depth_attn_bwd_kernel<acc_t, G, K, QT>,
-                    dim3(static_cast<unsigned>(plan.grid_x)), dim3(plan.threads, plan.teams), plan.shared_bytes,
-                    params);
+          const std::string name = tile_name("depth_attn_bwd", kDouble, G, K, QT) + (norm ? "[norm]" : "");
+          const dim3 grid(static_cast<unsigned>(plan.grid_x)), block(plan.threads, plan.teams);
+          if (norm) {
+            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, true>, grid, block, plan.shared_bytes, params);
+          } else {
+            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, false>, grid, block, plan.shared_bytes, params);
+          }
           launched = true;
         }
       }

@@ -26,7 +26,7 @@ std::map<TileKey, size_t> largest_shared_bytes() {
         if (itemsize == 8 && !acc_double) continue;  // fp64 data accumulates in fp64
         for (bool norm : {false, true}) {
           for (int64_t d = 1; d <= kMaxDim; ++d) {
-            for (int64_t q = 1; q <= 2 * kMaxSiteTile[0]; ++q) {
+            for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
               const DepthPlan p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, 132);
               auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
               s = std::max(s, p.shared_bytes);
@@ -55,9 +55,11 @@ int main() {
     return 1;
   }
   size_t kernels = 0, unreachable = 0;
-  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, const void* /*kernel*/) {
-    const std::string name =
+  // The backward comes with and without the fused output norm (its last template argument).
+  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, const void* /*kernel*/) {
+    std::string name =
         kernel_name(pass == Pass::kForward ? "depth_attn_fwd_kernel" : "depth_attn_bwd_kernel", acc_double, G, K, QT);
+    if (pass == Pass::kBackward) name.insert(name.size() - 1, norm ? ", true" : ", false");
     const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT});
     if (it == shared.end()) {
       std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
@@ -65,17 +67,27 @@ int main() {
       return;
     }
     std::printf("%s\t%zu\n", name.c_str(), it->second);
-    ++kernels;
+    kernels += pass == Pass::kForward || norm;  // one plan key for both backward variants
   };
   for_each_tile([&](auto G, auto K, auto QT) {
     if constexpr (tile_fits(Pass::kForward, false, G, K, QT))
-      emit(Pass::kForward, false, G, K, QT, reinterpret_cast<const void*>(&depth_attn_fwd_kernel<float, G, K, QT>));
+      emit(Pass::kForward, false, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_fwd_kernel<float, G, K, QT>));
     if constexpr (tile_fits(Pass::kForward, true, G, K, QT))
-      emit(Pass::kForward, true, G, K, QT, reinterpret_cast<const void*>(&depth_attn_fwd_kernel<double, G, K, QT>));
-    if constexpr (tile_fits(Pass::kBackward, false, G, K, QT))
-      emit(Pass::kBackward, false, G, K, QT, reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT>));
-    if constexpr (tile_fits(Pass::kBackward, true, G, K, QT))
-      emit(Pass::kBackward, true, G, K, QT, reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT>));
+      emit(Pass::kForward, true, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_fwd_kernel<double, G, K, QT>));
+    if constexpr (tile_fits(Pass::kBackward, false, G, K, QT)) {
+      emit(Pass::kBackward, false, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false>));
+      emit(Pass::kBackward, false, G, K, QT, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true>));
+    }
+    if constexpr (tile_fits(Pass::kBackward, true, G, K, QT)) {
+      emit(Pass::kBackward, true, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false>));
+      emit(Pass::kBackward, true, G, K, QT, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
+    }
   });
   std::printf("column_sum_kernel<float>\t0\n");
   std::printf("column_sum_kernel<double>\t0\n");
