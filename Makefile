@@ -66,7 +66,7 @@ cmake: $(VENV)/.runtime
 CUDA_SRC := build/cuda-src
 cuda-build:
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
-	$(CUDA_VENV)/bin/python -m pip install $(CUDA_TORCH) setuptools wheel ninja
+	$(CUDA_VENV)/bin/python -m pip install $(CUDA_TORCH) numpy setuptools wheel ninja
 	rm -rf $(CUDA_SRC) && mkdir -p $(CUDA_SRC)
 	cp -r setup.py pyproject.toml README.md csrc attnres_kernels $(CUDA_SRC)/
 	rm -f $(CUDA_SRC)/attnres_kernels/_C*.so
