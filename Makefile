@@ -1,16 +1,20 @@
 # The README's two commands:
 #   make demo    set up .venv (CPU build of torch), build the C++ ops, run the demo
-#   make test    also install the test tools, run pytest and the Triton ahead-of-time check
+#   make test    also install the test tools, run pytest (the CUDA kernels run on CPU under
+#                the SIMT harness) and the ahead-of-time check of all GPU code
 # Other targets: make lint (ruff + clang-format), make bench (pytest --benchmark),
-# make sweep (benchmarks/results/cpu.md), make cmake.
+# make sweep (benchmarks/results/cpu.md), make cmake, make cuda-build (the CUDA
+# binding built for real against a CUDA build of torch in .venv-cuda; no GPU needed).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+CUDA_VENV ?= .venv-cuda
+CUDA_TORCH ?= torch==2.14.1
 ARGS ?=
 export MAX_JOBS ?= 2
-NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
+NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h)
 
-.PHONY: demo test lint format bench sweep cmake clean gpu-bench
+.PHONY: demo test lint format bench sweep cmake cuda-build clean gpu-bench
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +34,7 @@ demo: $(VENV)/.built
 
 test: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest $(ARGS)
-	$(PY) -m attnres_kernels.triton.check
+	$(PY) -m attnres_kernels.check
 
 CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
 
@@ -60,5 +64,25 @@ cmake: $(VENV)/.runtime
 	cmake --build build -j $(MAX_JOBS)
 	ctest --test-dir build --output-on-failure
 
+# A separate venv with the CUDA build of torch: builds the package with its CUDA
+# sources (nvcc, sm_80 + sm_90) from a copy of the sources (its own build/ dir,
+# no objects shared with the CPU build), imports it without a GPU and checks that
+# the attnres:: depth-read ops have CUDA kernels registered.
+CUDA_SRC := build/cuda-src
+cuda-build:
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install $(CUDA_TORCH) numpy setuptools wheel ninja
+	rm -rf $(CUDA_SRC) && mkdir -p $(CUDA_SRC)
+	cp -r setup.py pyproject.toml README.md csrc attnres_kernels $(CUDA_SRC)/
+	rm -f $(CUDA_SRC)/attnres_kernels/_C*.so
+	cd $(CUDA_SRC) && $(abspath $(CUDA_VENV))/bin/python -m pip install --no-build-isolation --no-deps .
+	cd $(CUDA_VENV) && bin/python -c "import torch, attnres_kernels.ops._native as n; \
+	  assert torch.version.cuda, 'torch in $(CUDA_VENV) is not a CUDA build'; \
+	  assert n.available(), n.LOAD_ERROR; \
+	  missing = [op for op in ('depth_attn_fwd', 'depth_attn_bwd') if not n.has_kernel(op, 'cuda')]; \
+	  assert not missing, f'no CUDA kernel registered for {missing}'; \
+	  print('cuda-build OK: torch', torch.__version__, '(CUDA', torch.version.cuda + '):', \
+	        'attnres::depth_attn_fwd/bwd have CUDA kernels;', torch.ops.attnres.build_info())"
+
 clean:
-	rm -rf build $(VENV) attnres_kernels/_C*.so *.egg-info
+	rm -rf build $(VENV) $(CUDA_VENV) attnres_kernels/_C*.so *.egg-info

@@ -7,7 +7,9 @@
   can serve the call.
 - ``"reference"``: plain PyTorch (:mod:`attnres_kernels.reference`), always available.
 - ``"cpu"``: the C++ kernels of ``attnres_kernels._C`` on CPU tensors.
-- ``"cuda"``: C++/CUDA kernels on CUDA tensors, when the extension was built with nvcc.
+- ``"cuda"``: C++/CUDA kernels on CUDA tensors, when the extension was built with nvcc;
+  on CPU tensors with ``ATTNRES_CUDA_EMULATE=1``, the same kernel code run by the
+  SIMT harness (:mod:`attnres_kernels.cuda.emulation`, ops ``attnres_emu::<name>``).
 - ``"triton"``: Triton kernels on CUDA tensors, or on CPU tensors when
   ``TRITON_INTERPRET=1`` was set before the first import of Triton.
 
@@ -40,6 +42,11 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _native_reason(backend: str, device: torch.device, op: str) -> str | None:
+    if backend == "cuda" and device.type == "cpu":
+        from ..cuda import emulation
+
+        reason = emulation.unavailable_reason(op)
+        return None if reason is None else f"backend 'cuda' needs cuda tensors, got cpu tensors ({reason})"
     if device.type != backend:
         return f"backend {backend!r} needs {backend} tensors, got {device.type} tensors"
     if not _native.available():
@@ -107,8 +114,10 @@ def resolve(backend: str, device: torch.device, op: str, limit: Limit | None = N
     return "reference"
 
 
-def fused_op(backend: str, name: str):
-    """The ``torch.library`` op ``name`` (e.g. ``"depth_attn_fwd"``) of a fused backend."""
+def fused_op(backend: str, name: str, device: torch.device):
+    """The ``torch.library`` op ``name`` (e.g. ``"depth_attn_fwd"``) of a fused backend on ``device`` tensors."""
+    if backend == "cuda" and device.type == "cpu":
+        return getattr(torch.ops.attnres_emu, name).default
     if backend in ("cpu", "cuda"):
         return getattr(torch.ops.attnres, name).default
     from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)

@@ -92,5 +92,5 @@ def attention(
         return reference.attention(
             q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, return_lse=return_lse
         )
-    out, lse = _dispatch.fused_op(chosen, "attn_fwd")(q, k, v, key_padding_mask, bool(causal), float(scale))
+    out, lse = _dispatch.fused_op(chosen, "attn_fwd", q.device)(q, k, v, key_padding_mask, bool(causal), float(scale))
     return (out, lse) if return_lse else out

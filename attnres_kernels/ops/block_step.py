@@ -60,7 +60,7 @@ def block_step(
             return_lse=return_lse,
         )
     acc = accumulation_dtype(promoted_dtype([partial, update, prefix_out]))
-    new_partial, out, lse, _, _ = _dispatch.fused_op(chosen, "block_step_fwd")(
+    new_partial, out, lse, _, _ = _dispatch.fused_op(chosen, "block_step_fwd", update.device)(
         partial, update, query, norm_weight, prefix_out, prefix_lse.to(acc), out_norm_weight, float(eps)
     )
     return (new_partial, out, lse) if return_lse else (new_partial, out)

@@ -28,6 +28,11 @@ def _limit(dim: int, dtype: torch.dtype):
 
             if dim > triton_backend.max_dim(dtype):
                 return f"the Triton kernels support D <= {triton_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
+        if backend == "cuda":
+            from .. import cuda as cuda_backend
+
+            if dim > cuda_backend.max_dim(dtype):
+                return f"the CUDA kernels support D <= {cuda_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
         return None
 
     return limit
@@ -86,7 +91,7 @@ def read_unchecked(
 
 def _run_fused(backend, sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, return_weights):
     prefix_out, prefix_lse = prefix
-    out, lse, logits, _ = _dispatch.fused_op(backend, "depth_attn_fwd")(
+    out, lse, logits, _ = _dispatch.fused_op(backend, "depth_attn_fwd", sources[0].device)(
         list(sources), query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
     )
     outputs = [out] + ([lse] if return_lse else [])

@@ -1,0 +1,72 @@
+// CUDA dispatch key of attnres::depth_attn_fwd / _bwd: the kernels of
+// depth_attention_kernels.cuh launched on the current stream. The torch side
+// (checks, outputs, tables) is depth_attention_ops.h, shared with the SIMT
+// harness build (csrc/simt/emulated_ops.cpp).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "depth_attention_ops.h"
+
+namespace attnres::cuda {
+namespace {
+
+struct CudaRuntime {
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  int num_sms() const { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+  // The table is staged in pinned memory and copied without synchronizing the stream.
+  at::Tensor device_table(const std::vector<RowRef>& refs, const at::Device& device) {
+    const auto bytes = static_cast<int64_t>(refs.size() * sizeof(RowRef));
+    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::memcpy(host.mutable_data_ptr(), refs.data(), bytes);
+    return host.to(device, /*non_blocking=*/true);
+  }
+
+  void track(const char*, const at::Tensor&) {}
+
+  template <typename... P, typename... A>
+  void launch(const std::string&, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, A&&... args) {
+    if (shared_bytes > 48 * 1024) {
+      C10_CUDA_CHECK(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
+    }
+    kernel<<<grid, block, shared_bytes, stream>>>(std::forward<A>(args)...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cuda(
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  CudaRuntime rt;
+  return depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cuda(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  CudaRuntime rt;
+  return depth_attn_bwd(rt, grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse,
+                        out_norm_weight, logits, rinv, eps);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
+  m.impl("depth_attn_fwd", &depth_attn_fwd_cuda);
+  m.impl("depth_attn_bwd", &depth_attn_bwd_cuda);
+}
+
+}  // namespace attnres::cuda

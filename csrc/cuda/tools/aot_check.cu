@@ -1,0 +1,97 @@
+// The ahead-of-time check of the CUDA kernels (python -m attnres_kernels.check):
+// compiled with `nvcc -Xptxas -v` for each architecture, which instantiates every
+// kernel the launchers can choose, and run on the host (no GPU needed) to print
+// one line per kernel: its name as ptxas reports it (demangled) and the largest
+// dynamic shared memory any launch plan gives it. It also checks that every plan
+// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel.
+#include <cstdio>
+#include <exception>
+#include <map>
+#include <string>
+#include <tuple>
+
+#include "../depth_attention_kernels.cuh"
+
+using namespace attnres::cuda;
+
+namespace {
+
+using TileKey = std::tuple<int, bool, int, int, int>;  // pass, acc_double, G, K, QT
+
+std::map<TileKey, size_t> largest_shared_bytes() {
+  std::map<TileKey, size_t> shared;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (bool acc_double : {false, true}) {
+      for (int itemsize : {2, 4, 8}) {
+        if (itemsize == 8 && !acc_double) continue;  // fp64 data accumulates in fp64
+        for (bool norm : {false, true}) {
+          for (int64_t d = 1; d <= kMaxDim; ++d) {
+            for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
+              const DepthPlan p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, 132);
+              auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
+              s = std::max(s, p.shared_bytes);
+            }
+          }
+        }
+      }
+    }
+  }
+  return shared;
+}
+
+std::string kernel_name(const char* kernel, bool acc_double, int G, int K, int QT) {
+  return std::string(kernel) + "<" + (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " +
+         std::to_string(K) + ", " + std::to_string(QT) + ">";
+}
+
+}  // namespace
+
+int main() {
+  std::map<TileKey, size_t> shared;
+  try {
+    shared = largest_shared_bytes();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "a launch plan failed: %s\n", e.what());
+    return 1;
+  }
+  size_t kernels = 0, unreachable = 0;
+  // The backward comes with and without the fused output norm (its last template argument).
+  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, const void* /*kernel*/) {
+    std::string name =
+        kernel_name(pass == Pass::kForward ? "depth_attn_fwd_kernel" : "depth_attn_bwd_kernel", acc_double, G, K, QT);
+    if (pass == Pass::kBackward) name.insert(name.size() - 1, norm ? ", true" : ", false");
+    const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT});
+    if (it == shared.end()) {
+      std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
+      ++unreachable;
+      return;
+    }
+    std::printf("%s\t%zu\n", name.c_str(), it->second);
+    kernels += pass == Pass::kForward || norm;  // one plan key for both backward variants
+  };
+  for_each_tile([&](auto G, auto K, auto QT) {
+    if constexpr (tile_fits(Pass::kForward, false, G, K, QT))
+      emit(Pass::kForward, false, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_fwd_kernel<float, G, K, QT>));
+    if constexpr (tile_fits(Pass::kForward, true, G, K, QT))
+      emit(Pass::kForward, true, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_fwd_kernel<double, G, K, QT>));
+    if constexpr (tile_fits(Pass::kBackward, false, G, K, QT)) {
+      emit(Pass::kBackward, false, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false>));
+      emit(Pass::kBackward, false, G, K, QT, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true>));
+    }
+    if constexpr (tile_fits(Pass::kBackward, true, G, K, QT)) {
+      emit(Pass::kBackward, true, G, K, QT, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false>));
+      emit(Pass::kBackward, true, G, K, QT, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
+    }
+  });
+  std::printf("column_sum_kernel<float>\t0\n");
+  std::printf("column_sum_kernel<double>\t0\n");
+  (void)&column_sum_kernel<float>;
+  (void)&column_sum_kernel<double>;
+  return unreachable == 0 && kernels == shared.size() ? 0 : 1;
+}

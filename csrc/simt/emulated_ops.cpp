@@ -1,0 +1,135 @@
+// The CUDA kernels of attnres_kernels run on CPU tensors by the SIMT harness
+// (DESIGN.md §4): the op namespace attnres_emu, CPU dispatch key, same schemas as
+// attnres::. Built on first use by attnres_kernels/cuda/emulation.py
+// (ATTNRES_CUDA_EMULATE=1 makes backend="cuda" accept CPU tensors). Python
+// registers the fake kernels and autograd (ops/_registration.py).
+//
+// Adding a kernel family: include its torch-side header (the one the .cu binding
+// uses, templated on a Runtime), define its schemas in TORCH_LIBRARY(attnres_emu)
+// and register the Runtime-instantiated entry points below; list any new .cpp in
+// attnres_kernels/cuda/emulation.py (SOURCES).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../cuda/depth_attention_ops.h"
+#include "simt.h"
+
+namespace attnres::emulated {
+
+// The Runtime of csrc/cuda/depth_attention_ops.h for the harness: tables in host
+// memory, a one-SM "GPU" (forward grids stay small, so the grid-stride loops run),
+// every tensor a kernel touches named for the traffic count.
+struct Runtime {
+  Runtime() { simt::clear_tracking(); }
+  ~Runtime() { simt::clear_tracking(); }
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  int num_sms() const { return 1; }
+
+  at::Tensor device_table(const std::vector<cuda::RowRef>& refs, const at::Device&) {
+    const auto bytes = static_cast<int64_t>(refs.size() * sizeof(cuda::RowRef));
+    at::Tensor table = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(table.mutable_data_ptr(), refs.data(), bytes);
+    return table;
+  }
+
+  void track(const char* group, const at::Tensor& t) {
+    if (t.defined()) simt::track(group, t.const_data_ptr(), cuda::span_bytes(t));
+  }
+
+  template <typename... P, typename... A>
+  void launch(const std::string& name, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, A&&... args) {
+    simt::launch(name.c_str(), kernel, grid, block, shared_bytes, std::forward<A>(args)...);
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  Runtime rt;
+  return cuda::depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+}
+
+std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
+    at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+    const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
+  Runtime rt;
+  return cuda::depth_attn_bwd(rt, grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse,
+                              out_norm_weight, logits, rinv, eps);
+}
+
+// x (fp32 or fp64) rounded to fp16 / bf16 by the device conversion (from_acc) in a
+// harness launch: checks the harness's conversions against PyTorch's.
+template <typename acc_t>
+__global__ void round_kernel(const acc_t* x, uint16_t* out, int64_t n, bool half) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = half ? cuda::from_acc<cuda::Half>(x[i]).bits : cuda::from_acc<cuda::BFloat16>(x[i]).bits;
+}
+
+at::Tensor round_to(const at::Tensor& x, at::ScalarType dtype) {
+  TORCH_CHECK(x.dim() == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble),
+              "round_to: x must be 1-d fp32/fp64");
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16, "round_to: dtype must be fp16 or bf16");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty({x.numel()}, x.options().dtype(at::kShort));
+  const int64_t n = x.numel();
+  if (n == 0) return out.view(dtype);
+  const dim3 grid(static_cast<unsigned>((n + 255) / 256)), block(256);
+  auto* bits = reinterpret_cast<uint16_t*>(out.mutable_data_ptr());
+  if (x.scalar_type() == at::kFloat) {
+    simt::launch("round<float>", &round_kernel<float>, grid, block, 0, xc.const_data_ptr<float>(), bits, n,
+                 dtype == at::kHalf);
+  } else {
+    simt::launch("round<double>", &round_kernel<double>, grid, block, 0, xc.const_data_ptr<double>(), bits, n,
+                 dtype == at::kHalf);
+  }
+  return out.view(dtype);
+}
+
+// Every launch since the last call, one per line:
+// kernel \t grid x,y,z \t block x,y,z \t shared bytes \t group:read:written ...
+std::string launch_log() {
+  std::ostringstream out;
+  for (const auto& r : simt::take_launch_log()) {
+    out << r.kernel << '\t' << r.grid.x << ',' << r.grid.y << ',' << r.grid.z << '\t' << r.block.x << ',' << r.block.y
+        << ',' << r.block.z << '\t' << r.dynamic_smem << '\t';
+    bool first = true;
+    for (const auto& [group, t] : r.traffic) {
+      out << (first ? "" : " ") << group << ':' << t.read << ':' << t.written;
+      first = false;
+    }
+    out << '\n';
+  }
+  return out.str();
+}
+
+TORCH_LIBRARY(attnres_emu, m) {
+  // The schemas of attnres::depth_attn_fwd / _bwd (csrc/bindings.cpp).
+  m.def(
+      "depth_attn_fwd(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
+      "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
+      "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
+      "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("launch_log() -> str", &launch_log);
+  m.def("round_to(Tensor x, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(attnres_emu, CPU, m) {
+  m.impl("depth_attn_fwd", &depth_attn_fwd);
+  m.impl("depth_attn_bwd", &depth_attn_bwd);
+  m.impl("round_to", &round_to);
+}
+
+}  // namespace attnres::emulated

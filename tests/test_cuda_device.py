@@ -1,0 +1,87 @@
+"""The nvcc build of the CUDA kernels on a GPU (marked `cuda`: skipped without one).
+
+On machines without a GPU the same kernel code runs under the SIMT harness
+(tests/test_cuda_emulated.py, tests/test_cuda_io.py)."""
+
+import pytest
+import torch
+
+import attnres_kernels as ak
+from attnres_kernels import reference
+
+from support import assert_close_to_oracle, attnres_ops_called, make_sources, read_with_grads, site_params
+
+pytestmark = pytest.mark.cuda
+
+
+def _read(backend, merge):
+    def fn(srcs, w, g, g_out, *prefix):
+        kwargs = dict(out_norm_weight=g_out, return_lse=True)
+        if merge:
+            return ak.depth_attention_merge(w, prefix[0], prefix[1], srcs, g, backend=backend, **kwargs)
+        return ak.depth_attention(w, srcs, g, backend=backend, **kwargs)
+
+    return fn
+
+
+def test_the_cuda_kernels_are_built():
+    assert "cuda" in ak.available_backends("cuda", 1024, torch.bfloat16), ak.build_info()
+
+
+@pytest.mark.parametrize("d", [7, 1000, 4096])
+@pytest.mark.parametrize("q,merge", [(None, False), (3, False), (2, True)])
+def test_bf16_end_to_end_matches_reference(d, q, merge):
+    sources = [s.cuda() for s in make_sources(5, (4, 33), d, torch.bfloat16)]
+    w, g, g_out = (p.cuda() for p in site_params(q, d))
+    params = [w, g, g_out]
+    if merge:
+        params += list(reference.depth_attention(w, [s.float() for s in sources[:2]], g, return_lse=True))
+        params[3] = params[3].to(torch.bfloat16)
+        sources = sources[2:]
+    lead = (q,) if q else ()
+    out_weights = [torch.randn(lead + (4, 33, d), device="cuda"), torch.randn(lead + (4, 33), device="cuda")]
+    out_weights = [x.double() for x in out_weights]
+    got = read_with_grads(_read("cuda", merge), sources, params, out_weights)
+    same = read_with_grads(_read("reference", merge), sources, params, out_weights)
+    oracle = read_with_grads(
+        _read("reference", merge), [s.double() for s in sources], [p.double() for p in params], out_weights
+    )
+    for name, a, b, c in zip(["out", "lse"], got[0], same[0], oracle[0]):
+        assert a.dtype == b.dtype
+        assert_close_to_oracle(name, a, b, c)
+    for i, (a, b, c) in enumerate(zip(got[1], same[1], oracle[1])):
+        assert a.dtype == b.dtype
+        assert_close_to_oracle(f"grad[{i}]", a, b, c)
+
+
+def test_the_cuda_op_ran():
+    sources = [torch.randn(8, 64, device="cuda", requires_grad=True) for _ in range(3)]
+    w = torch.randn(64, device="cuda", requires_grad=True)
+
+    def step():
+        ak.depth_attention(w, sources, backend="cuda").sum().backward()
+
+    assert {"attnres::depth_attn_fwd", "attnres::depth_attn_bwd"} <= attnres_ops_called(step)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_bitwise_deterministic_on_device(merge):
+    sources = [s.cuda() for s in make_sources(4, (64, 33), 1024, torch.bfloat16)]
+    w, g, g_out = (p.cuda() for p in site_params(3, 1024))
+    prefix = reference.depth_attention(w, [s.float() for s in sources[:2]], g, return_lse=True) if merge else None
+
+    def run():
+        srcs = [s.clone().requires_grad_() for s in sources]
+        params = [p.clone().requires_grad_() for p in (w, g, g_out)]
+        kwargs = dict(out_norm_weight=params[2], return_lse=True, backend="cuda")
+        if prefix is None:
+            out, lse = ak.depth_attention(params[0], srcs, params[1], **kwargs)
+        else:
+            out, lse = ak.depth_attention_merge(params[0], *prefix, srcs, params[1], **kwargs)
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        loss = (out.float() * torch.randn(out.shape, generator=gen, device="cuda")).sum()
+        loss = loss + (lse * torch.randn(lse.shape, generator=gen, device="cuda")).sum()
+        return [out, lse, *torch.autograd.grad(loss, srcs + params)]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)
