@@ -29,6 +29,20 @@ TORCH_LIBRARY(attnres, m) {
       "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
       "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
       "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The fused residual step of two-phase Block AttnRes: new_partial = partial +
+  // update (update alone without partial), then the merge of the next site's
+  // prefix read (h_a, lse_a) with the one source new_partial, optionally
+  // followed by the output RMSNorm. query / norm_weight / out_norm_weight are
+  // one site's [D]. Returns (new_partial, out, lse, logit, rinv).
+  m.def(
+      "block_step_fwd(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, "
+      "Tensor prefix_lse, Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Returns (grad_new_partial (the total: incoming + the read's), grad_query,
+  // grad_norm_weight, grad_prefix_out, grad_prefix_lse, grad_out_norm_weight).
+  m.def(
+      "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
+      "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
+      "Tensor logit, Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 }  // namespace attnres
