@@ -317,10 +317,15 @@ def reference_block_step_fwd(partial, update, query, norm_weight, prefix_out, pr
     )
 
 
-def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
-    """Fake kernels of both Block-step ops and the Python autograd of the forward."""
+def register_block_step_fakes(fwd_name: str, bwd_name: str) -> None:
     torch.library.register_fake(fwd_name)(fake_block_step_fwd)
     torch.library.register_fake(bwd_name)(fake_block_step_bwd)
+
+
+def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
+    """Python autograd of a Block-step forward op (``bwd_op`` computes its gradients).
+    The C++ op ``attnres::block_step_fwd`` has a native autograd of the same
+    semantics instead (csrc/cpu/block_step_autograd.cpp): this one costs ~1 ms per call."""
 
     def setup_context(ctx, inputs, output):
         partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs
@@ -334,10 +339,15 @@ def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
     def backward(ctx, grad_new_partial, grad_out, grad_lse, _grad_logit, _grad_rinv):
         new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
-            # The read depends on the addends only through their sum new_partial.
+            # The read depends on the addends only through their sum new_partial. That is
+            # this op's own output, and the op's other inputs are reachable through it:
+            # differentiating w.r.t. views of the saved tensors keeps the nested backward
+            # from re-entering this node (which, with its gradients materialized as zeros,
+            # would recurse without end).
+            saved = (new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight)
             d_new, *grads = differentiable_grads(
                 lambda x: reference_block_step_fwd(None, *x, ctx.eps),
-                [new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
+                [t.view_as(t) if t is not None else None for t in saved],
                 [None, grad_out, grad_lse],
             )
             d_new = d_new if d_new is not None else torch.zeros_like(new_partial)
@@ -371,3 +381,9 @@ def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
         )
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+
+
+def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+    """Fake kernels of both Block-step ops and the Python autograd of the forward."""
+    register_block_step_fakes(fwd_name, bwd_name)
+    register_block_step_autograd(fwd_name, bwd_op)
