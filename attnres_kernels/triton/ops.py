@@ -1,4 +1,5 @@
-"""The Triton depth read as torch.library custom ops ``attnres_triton::depth_attn_{fwd,bwd}``.
+"""The Triton ops ``attnres_triton::depth_attn_{fwd,bwd}`` (depth read) and
+``attnres_triton::block_step_{fwd,bwd}`` (the fused Block step) as torch.library custom ops.
 
 They take the same schema as the C++ ops (see
 :mod:`attnres_kernels.ops._registration`, which also supplies their fake
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._registration import register_depth_attn_ops
-from . import launch
+from ..ops._registration import register_block_step_ops, register_depth_attn_ops
+from . import block_step, launch
 
 FWD_SCHEMA = (
     "(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
@@ -32,4 +33,14 @@ for _device in ("CPU", "CUDA"):
 
 register_depth_attn_ops(
     "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", torch.ops.attnres_triton.depth_attn_bwd.default
+)
+
+_lib.define("block_step_fwd" + block_step.FWD_SCHEMA)
+_lib.define("block_step_bwd" + block_step.BWD_SCHEMA)
+for _device in ("CPU", "CUDA"):
+    _lib.impl("block_step_fwd", block_step.block_step_fwd, _device)
+    _lib.impl("block_step_bwd", block_step.block_step_bwd, _device)
+
+register_block_step_ops(
+    "attnres_triton::block_step_fwd", "attnres_triton::block_step_bwd", torch.ops.attnres_triton.block_step_bwd.default
 )
