@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 export MAX_JOBS ?= 2
-NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cuda/*.cu)
+NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
 
 .PHONY: demo test lint format bench sweep cmake clean
 

@@ -51,7 +51,8 @@ def cpu_capability() -> str:
 
 def extension():
     cpu_flags = X86_FLAGS[cpu_capability()]
-    sources = ["csrc/python_module.cpp", "csrc/bindings.cpp", *sorted(glob.glob("csrc/cpu/*.cpp"))]
+    sources = ["csrc/python_module.cpp", "csrc/bindings.cpp", *sorted(glob.glob("csrc/autograd/*.cpp"))]
+    sources += sorted(glob.glob("csrc/cpu/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     build_cuda = (
         os.environ.get("ATTNRES_SKIP_CUDA_BUILD", "0") != "1"

@@ -40,22 +40,47 @@ def promoted_dtype(tensors) -> torch.dtype:
     return dtype
 
 
-@dataclass(frozen=True)
+@dataclass
 class DepthReadArgs:
-    """A validated depth read: sources as a tuple of ``[..., D]`` tensors and
-    every per-site parameter as a ``[Q, D]`` tensor (``Q = 1`` for a single
-    site, with ``multi_query`` remembering whether to drop that dimension)."""
+    """A validated depth read: sources as a tuple of ``[..., D]`` tensors and the
+    per-site parameters as given (``site_query`` is ``[D]`` for one site or
+    ``[Q, D]``; the weights ``[D]`` or ``[Q, D]``).
+
+    ``query``, ``norm_weight`` and ``out_norm_weight`` are the same parameters
+    as ``[Q, D]`` tensors (``Q = 1`` for a single site, with ``multi_query``
+    remembering whether to drop that dimension), built when asked for: the fused
+    backends take the parameters as given and never pay for those views."""
 
     sources: tuple
-    query: Tensor
-    norm_weight: Tensor | None
-    out_norm_weight: Tensor | None
-    multi_query: bool
+    site_query: Tensor
+    site_norm_weight: Tensor | None
+    site_out_norm_weight: Tensor | None
     prefix_dtype: torch.dtype | None = None  # dtype of a merge prefix h_a; takes part in the promotion
 
     @property
+    def multi_query(self) -> bool:
+        return self.site_query.dim() == 2
+
+    @property
     def num_queries(self) -> int:
-        return self.query.shape[0]
+        return self.site_query.shape[0] if self.multi_query else 1
+
+    def _per_site(self, t: Tensor | None) -> Tensor | None:
+        if t is None or t.dim() == 2:
+            return t
+        return t.unsqueeze(0).expand(self.num_queries, -1)
+
+    @property
+    def query(self) -> Tensor:
+        return self._per_site(self.site_query)
+
+    @property
+    def norm_weight(self) -> Tensor | None:
+        return self._per_site(self.site_norm_weight)
+
+    @property
+    def out_norm_weight(self) -> Tensor | None:
+        return self._per_site(self.site_out_norm_weight)
 
     @property
     def lead_shape(self) -> torch.Size:
@@ -124,19 +149,19 @@ def _as_source_tuple(sources: Sources) -> tuple:
 
 def _check_sources(sources: tuple) -> None:
     first = sources[0]
-    if first.dim() < 1:
+    shape, device = first.shape, first.device
+    if len(shape) < 1:
         raise ValueError("each source must have shape [..., D] with at least one dimension")
-    if first.shape[-1] == 0:
+    if shape[-1] == 0:
         raise ValueError("sources have D = 0 (an empty last dimension)")
-    for i, s in enumerate(sources):
+    for i, s in enumerate(sources):  # one pass: these checks run on every call
         if s.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"sources[{i}] has dtype {s.dtype}; supported: float16, bfloat16, float32, float64")
-    for i, s in enumerate(sources[1:], start=1):
-        if s.device != first.device:
-            raise ValueError(f"sources on different devices: sources[0] on {first.device}, sources[{i}] on {s.device}")
-        if s.shape != first.shape:
+        if s.device != device:
+            raise ValueError(f"sources on different devices: sources[0] on {device}, sources[{i}] on {s.device}")
+        if s.shape != shape:
             raise ValueError(
-                f"mismatched source shapes: sources[0] is {tuple(first.shape)}, sources[{i}] is {tuple(s.shape)}"
+                f"mismatched source shapes: sources[0] is {tuple(shape)}, sources[{i}] is {tuple(s.shape)}"
             )
 
 
@@ -151,21 +176,17 @@ def _check_param(name: str, t: Tensor, device: torch.device, d: int) -> None:
         raise ValueError(f"`{name}` must have shape [D] or [Q, D] with D = {d}, got {tuple(t.shape)}")
 
 
-def _per_site(name: str, t: Tensor | None, q: int, multi_query: bool, device, d: int):
-    """Checks a per-site parameter and returns it as ``[Q, D]`` (or None).
-
-    For a multi-query read a ``[D]`` tensor is shared by all Q sites; a
-    single-site read takes only ``[D]``."""
+def _check_per_site(name: str, t: Tensor | None, q: int, multi_query: bool, device, d: int) -> None:
+    """Checks a per-site parameter: ``[D]`` (shared by the Q sites of a multi-query
+    read), or ``[Q, D]`` for a multi-query read only."""
     if t is None:
-        return None
+        return
     _check_param(name, t, device, d)
     if t.dim() == 2:
         if not multi_query:
             raise ValueError(f"`{name}` is [Q, D] = {tuple(t.shape)} but `query` is a single [D] site")
         if t.shape[0] != q:
             raise ValueError(f"`{name}` has Q = {t.shape[0]} sites but `query` has Q = {q}")
-        return t
-    return t.unsqueeze(0).expand(q, d)
 
 
 def check_depth_read(
@@ -182,23 +203,17 @@ def check_depth_read(
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"`eps` must be a non-negative number, got {eps!r}")
     multi_query = query.dim() == 2
-    if multi_query and query.shape[0] == 0:
+    q = query.shape[0] if multi_query else 1
+    if q == 0:
         raise ValueError("`query` has Q = 0 sites")
-    q2 = query if multi_query else query.unsqueeze(0)
-    q = q2.shape[0]
-    return DepthReadArgs(
-        sources=srcs,
-        query=q2,
-        norm_weight=_per_site("norm_weight", norm_weight, q, multi_query, device, d),
-        out_norm_weight=_per_site("out_norm_weight", out_norm_weight, q, multi_query, device, d),
-        multi_query=multi_query,
-    )
+    _check_per_site("norm_weight", norm_weight, q, multi_query, device, d)
+    _check_per_site("out_norm_weight", out_norm_weight, q, multi_query, device, d)
+    return DepthReadArgs(srcs, query, norm_weight, out_norm_weight)
 
 
-def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) -> tuple:
+def check_prefix_args(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) -> DepthReadArgs:
     """Checks the ``(h_a, lse_a)`` of a merge; returns the read's arguments with the
-    prefix's dtype in the promotion, and the prefix with a leading Q dim (``lse_a``
-    in the accumulation dtype)."""
+    prefix's dtype in the promotion."""
     for name, t in (("prefix_out", prefix_out), ("prefix_lse", prefix_lse)):
         if not isinstance(t, Tensor):
             raise TypeError(f"`{name}` must be a tensor, got {type(t).__name__}")
@@ -215,7 +230,13 @@ def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) ->
         raise ValueError(f"`prefix_lse` must have shape {q_dims + lead}, got {tuple(prefix_lse.shape)}")
     if not prefix_lse.is_floating_point():
         raise TypeError(f"`prefix_lse` must be floating point, got {prefix_lse.dtype}")
-    args = dataclasses.replace(args, prefix_dtype=prefix_out.dtype)
+    return dataclasses.replace(args, prefix_dtype=prefix_out.dtype)
+
+
+def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) -> tuple:
+    """:func:`check_prefix_args`, and the prefix with a leading Q dim (``lse_a`` in
+    the accumulation dtype)."""
+    args = check_prefix_args(args, prefix_out, prefix_lse)
     if not args.multi_query:
         prefix_out, prefix_lse = prefix_out.unsqueeze(0), prefix_lse.unsqueeze(0)
     return args, (prefix_out, prefix_lse.to(args.acc_dtype))

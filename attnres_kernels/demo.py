@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -244,7 +245,9 @@ def plot(results: dict, heatmaps: dict, out_dir: str) -> list:
     return paths
 
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
+    """Runs the demo with command-line arguments ``argv``; prints the tables and
+    returns the results (also written to ``results.json``)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=300)
     parser.add_argument("--out", default="demo_out", help="directory for the plots and results.json")
@@ -299,5 +302,11 @@ def main(argv=None) -> dict:
     return summary
 
 
+def main(argv=None) -> int:
+    """Entry point of ``python -m attnres_kernels.demo`` and the ``attnres-demo`` script: exit status 0."""
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,17 +11,39 @@ import attnres_kernels as ak
 from attnres_kernels import reference
 
 
-def median_seconds(fn, min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over at least ``min_runs`` runs and ``min_seconds``."""
+def run_times(fn, min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 1, setup=None) -> list:
+    """Wall times of ``fn()`` over at least ``min_runs`` runs and ``min_seconds``;
+    ``setup()`` runs untimed before every run (and before every warmup run)."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     times = []
     start = time.perf_counter()
     while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+        if setup is not None:
+            setup()
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over at least ``min_runs`` runs and ``min_seconds``."""
+    return statistics.median(run_times(fn, min_runs, min_seconds, warmup))
+
+
+def spread(times: list) -> dict:
+    """Median, min, max and interquartile range of ``times`` (seconds)."""
+    q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return dict(median=statistics.median(times), min=min(times), max=max(times), iqr=q3 - q1, runs=len(times))
+
+
+def empty_output_cache() -> None:
+    """Frees the CPU output buffers the C++ ops keep for reuse, so that the next call's
+    outputs are fresh allocations that page-fault on first touch."""
+    torch.ops.attnres.empty_cpu_cache()
 
 
 def read_bytes(n: int, rows: int, dim: int, dtype: torch.dtype) -> int:
@@ -55,11 +77,23 @@ def forward_backward(read, sources, query, norm_weight, grad_out):
     return torch.autograd.grad(out, [*sources, query, norm_weight], grad_out)
 
 
-def tensor_copy(rows: int, dim: int, dtype: torch.dtype, n: int):
-    """``copy_`` of ``n`` [rows, dim] tensors' worth into a preallocated tensor, and the bytes it moves."""
+def copy_source(rows: int, dim: int, dtype: torch.dtype, n: int):
+    """``n`` [rows, dim] tensors' worth of data (as one tensor), and the bytes a copy of it moves (read + write)."""
     src = torch.randn(n * rows, dim).to(dtype)
+    return src, 2 * src.numel() * src.element_size()
+
+
+def tensor_copy(rows: int, dim: int, dtype: torch.dtype, n: int):
+    """``copy_`` of ``n`` [rows, dim] tensors' worth into a preallocated (reused) tensor, and the bytes it moves."""
+    src, nbytes = copy_source(rows, dim, dtype, n)
     dst = torch.empty_like(src)
-    return lambda: dst.copy_(src), 2 * src.numel() * src.element_size()
+    return lambda: dst.copy_(src), nbytes
+
+
+def tensor_clone(rows: int, dim: int, dtype: torch.dtype, n: int):
+    """``clone`` of ``n`` [rows, dim] tensors' worth (a fresh output every call), and the bytes it moves."""
+    src, nbytes = copy_source(rows, dim, dtype, n)
+    return lambda: src.clone(), nbytes
 
 
 def saved_activation_bytes(fn) -> int:

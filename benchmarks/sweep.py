@@ -5,9 +5,14 @@
 Depth read: forward and forward+backward of the C++ op, the eager reference
 (stack + RMSNorm + softmax + einsum) and ``torch.compile`` of the reference,
 over N ∈ {3, 9, 17, 33} sources, D ∈ {256, 1024, 4096}, rows ∈ {4096, 16384},
-fp32 and bf16, with the forward's achieved GB/s next to a tensor copy of the
-same bytes timed in the same run. Cases whose tensors would not fit in memory
-are skipped and listed as such.
+fp32 and bf16. The op's forward is timed with reused outputs (the op keeps the
+buffers of freed outputs: what a training loop sees after its first step) and
+with fresh ones (that cache emptied before every call: new pages that fault on
+first touch), interleaved call by call with a ``copy_`` of the same bytes into
+a reused buffer and a ``clone`` (a fresh one), and reported as GB/s with the
+median and spread of every timing. Small reads (the demo's sizes) get their
+per-call times: the raw ops, the public function and ``read_unchecked``.
+Cases whose tensors would not fit in memory are skipped and listed as such.
 
 Models: one AdamW training step of Standard, Full and Block AttnRes at the demo
 config and at d=512, L=12, T=256 (batch 4), with the bytes autograd saves for
@@ -28,15 +33,20 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnres_kernels as ak
+from attnres_kernels.ops import depth as depth_ops
 
 from common import (
+    empty_output_cache,
     forward_backward,
     fused_read,
     make_read_inputs,
     median_seconds,
     read_bytes,
     reference_read,
+    run_times,
     saved_activation_bytes,
+    spread,
+    tensor_clone,
     tensor_copy,
 )
 
@@ -45,34 +55,123 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Source bytes (at fp32 width) above which an implementation is not run here (24 GiB machines):
 # the fused op keeps sources + gradients; the reference also stacks and upcasts them.
 FUSED_BUDGET, REFERENCE_BUDGET = 4.6e9, 1.2e9
+TARGET = ("fp32", 9, 8192, 1024)  # the target case of the CPU-op issue (and its bf16 twin)
+
+
+def interleaved(fns: dict, min_rounds: int, min_seconds: float, setups: dict | None = None) -> dict:
+    """Times every function of ``fns`` once per round, round after round (so that a
+    change in the machine's load hits all of them alike); ``setups[name]()`` runs
+    untimed before ``fns[name]``. Returns the list of times per name."""
+    setups = setups or {}
+    times = {name: [] for name in fns}
+    for name, fn in fns.items():  # warmup
+        setups.get(name, lambda: None)()
+        fn()
+    start = time.perf_counter()
+    while len(times[next(iter(fns))]) < min_rounds or time.perf_counter() - start < min_seconds:
+        for name, fn in fns.items():
+            setups.get(name, lambda: None)()
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return times
 
 
 def bench_read(n, rows, dim, dtype, compiled_reference):
+    """Timings (seconds: median, min, max, iqr, runs) of one read shape; None when it does not fit."""
     fp32_bytes = n * rows * dim * 4
     if fp32_bytes > FUSED_BUDGET:
         return None
-    result = {}
+    runs = 7 if fp32_bytes < 1e9 else 5
     copy, copy_bytes = tensor_copy(rows, dim, dtype, (n + 2) // 2)  # touches as many bytes as a forward
-    result["copy_gbps"] = copy_bytes / median_seconds(copy) / 1e9
-    floor = read_bytes(n, rows, dim, dtype)
-    impls = {"cpu": fused_read("cpu")}
-    if fp32_bytes <= REFERENCE_BUDGET:
-        impls["reference"] = reference_read
-        impls["compiled"] = compiled_reference
-    runs = 5 if fp32_bytes < 1e9 else 3
+    clone, _ = tensor_clone(rows, dim, dtype, (n + 2) // 2)
+    result = dict(floor_bytes=read_bytes(n, rows, dim, dtype), copy_bytes=copy_bytes)
+    cpu = fused_read("cpu")
     with torch.no_grad():
         sources, query, norm_weight = make_read_inputs(n, rows, dim, dtype, requires_grad=False)
-        for name, read in impls.items():
-            t = median_seconds(lambda: read(query, sources, norm_weight), min_runs=runs)
-            result[f"{name}_fwd_ms"] = t * 1e3
-            result[f"{name}_fwd_gbps"] = floor / t / 1e9
-    del sources
+        fwd = lambda: cpu(query, sources, norm_weight)
+        times = interleaved(
+            {"copy": copy, "clone": clone, "cpu_fwd": fwd, "cpu_fwd_fresh": fwd},
+            min_rounds=2 * runs,
+            min_seconds=1.0,
+            setups={"cpu_fwd_fresh": empty_output_cache},
+        )
+        if fp32_bytes <= REFERENCE_BUDGET:
+            for name, read in (("reference", reference_read), ("compiled", compiled_reference)):
+                times[f"{name}_fwd"] = run_times(lambda: read(query, sources, norm_weight), min_runs=runs)
+    del sources, copy, clone
     sources, query, norm_weight = make_read_inputs(n, rows, dim, dtype, requires_grad=True)
     grad_out = torch.randn(rows, dim).to(dtype)
-    for name, read in impls.items():
-        t = median_seconds(lambda: forward_backward(read, sources, query, norm_weight, grad_out), min_runs=runs)
-        result[f"{name}_fwdbwd_ms"] = t * 1e3
+    step = lambda read: lambda: forward_backward(read, sources, query, norm_weight, grad_out)
+    times.update(interleaved({"cpu_fwdbwd": step(cpu)}, min_rounds=2 * runs, min_seconds=1.0))
+    times.update(
+        interleaved({"cpu_fwdbwd_fresh": step(cpu)}, runs, 0.5, setups={"cpu_fwdbwd_fresh": empty_output_cache})
+    )
+    if fp32_bytes <= REFERENCE_BUDGET:
+        for name, read in (("reference", reference_read), ("compiled", compiled_reference)):
+            times[f"{name}_fwdbwd"] = run_times(step(read), min_runs=runs)
+    result.update({name: spread(t) for name, t in times.items()})
     return result
+
+
+SMALL_READS = [(4, (10, 20), 128, False), (1, (10, 20), 128, True), (7, (10, 20), 128, True), (13, (10, 20), 128, True)]
+
+
+def bench_small_reads():
+    """Per-call time (µs, median) of small reads, one thread: the raw ops, the public
+    function (argument checks + backend resolution) and ``read_unchecked``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for n, lead, dim, out_norm in SMALL_READS:
+            sources, query, norm_weight = make_read_inputs(n, lead[0] * lead[1], dim, torch.float32, True)
+            sources = [s.detach().reshape(*lead, dim).requires_grad_() for s in sources]
+            g_out = torch.ones(dim, requires_grad=True) if out_norm else None
+            leaves = [*sources, query, norm_weight] + ([g_out] if out_norm else [])
+            grad_out = torch.randn(*lead, dim)
+            fwd_op, bwd_op = torch.ops.attnres.depth_attn_fwd.default, torch.ops.attnres.depth_attn_bwd.default
+
+            def raw_fwd():
+                with torch.no_grad():
+                    return fwd_op(sources, query, norm_weight, None, None, g_out, 1e-6)
+
+            def raw_fwd_bwd():
+                out, _, logits, rinv = raw_fwd()
+                with torch.no_grad():
+                    bwd_op(grad_out, None, None, sources, query, norm_weight, None, None, g_out, logits, rinv, 1e-6)
+
+            def public():
+                return ak.depth_attention(query, sources, norm_weight, out_norm_weight=g_out, backend="cpu")
+
+            def unchecked():
+                return depth_ops.read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
+
+            def no_grad(fn):
+                def run():
+                    with torch.no_grad():
+                        fn()
+
+                return run
+
+            def with_backward(fn):
+                return lambda: torch.autograd.grad(fn(), leaves, grad_out)
+
+            fns = {
+                "raw ops fwd": raw_fwd,
+                "raw ops fwd+bwd": raw_fwd_bwd,
+                "depth_attention fwd": no_grad(public),
+                "depth_attention fwd+bwd": with_backward(public),
+                "read_unchecked fwd": no_grad(unchecked),
+                "read_unchecked fwd+bwd": with_backward(unchecked),
+            }
+            loop = lambda fn: lambda: [fn() for _ in range(20)]
+            times = interleaved({k: loop(f) for k, f in fns.items()}, min_rounds=15, min_seconds=2.0)
+            label = f"N={n}, [{lead[0]}, {lead[1]}, {dim}]" + (", out norm" if out_norm else "")
+            rows.append(dict(read=label, **{k: spread(t)["median"] / 20 * 1e6 for k, t in times.items()}))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
 
 
 MODEL_CONFIGS = {
@@ -130,55 +229,106 @@ def bench_models():
     return rows
 
 
-def write_report(path, reads, models, meta):
+def read_report_lines(reads, small_reads):
+    """The depth-read sections of the report."""
     lines = [
-        "# CPU benchmark: depth attention and AttnRes training steps",
+        "## Depth read: forward bandwidth",
         "",
-        f"Measured by `python benchmarks/sweep.py` on {meta['date']}: {meta['cpu']}, "
-        f"{meta['threads']} torch threads, torch {meta['torch']}, {meta['build']}. "
-        "Shared machine: compare ratios within this run, not absolute times across runs.",
-        "",
-        "## Depth read",
-        "",
-        "`fwd GB/s` counts the floor of a forward: N source rows read once and one output row written. "
-        "`copy GB/s` is a `copy_` of the same number of bytes into a preallocated tensor, in the same run. "
-        "`× eager` / `× compile` are the forward+backward speedups of the C++ op over the eager reference and over "
-        "`torch.compile` of the reference (stack + RMSNorm + softmax + einsum). "
+        "GB/s of a forward count its floor: N source rows read once and one output row written. "
+        "`reused`: the op's outputs reuse the buffers of freed ones (the op keeps them; what a training loop "
+        "sees after its first step); `fresh`: that cache emptied before every call, so every output page "
+        "faults on first touch. `copy_`: the same number of bytes copied into a reused buffer; `clone`: into "
+        "a fresh one. These four are timed call by call in turn; times are medians with [min–max] over the runs. "
+        "`× eager` / `× compile`: forward speedup of the op (reused) over the eager reference and over "
+        "`torch.compile` of it (stack + RMSNorm + softmax + einsum; their outputs come from PyTorch's allocator). "
         "`—`: not run (the reference's stacked copies would not fit in memory).",
         "",
-        "| dtype | N | rows | D | cpu fwd ms | cpu fwd GB/s | copy GB/s | % of copy | cpu fwd+bwd ms "
-        "| eager fwd+bwd ms | compile fwd+bwd ms | × eager | × compile | fwd × eager | fwd × compile |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dtype | N | rows | D | fwd ms [min–max] | fwd GB/s reused | fwd GB/s fresh | copy_ GB/s | clone GB/s "
+        "| reused % of copy_ | × eager | × compile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     skipped = []
     for (dt, n, rows, dim), r in reads.items():
         if r is None:
             skipped.append(f"{dt} N={n} rows={rows} D={dim}")
             continue
-
-        def cell(key, fmt="{:.1f}"):
-            return fmt.format(r[key]) if key in r else "—"
-
-        ratio = lambda a, b: f"{r[a] / r[b]:.2f}" if a in r and b in r else "—"
+        gbps = lambda key, nbytes: nbytes / r[key]["median"] / 1e9
+        ratio = lambda a, b: f"{r[a]['median'] / r[b]['median']:.2f}" if a in r and b in r else "—"
+        fwd = {k: 1e3 * v for k, v in r["cpu_fwd"].items()}
         lines.append(
-            f"| {dt} | {n} | {rows} | {dim} | {cell('cpu_fwd_ms')} | {cell('cpu_fwd_gbps')} | {cell('copy_gbps')} "
-            f"| {100 * r['cpu_fwd_gbps'] / r['copy_gbps']:.0f}% | {cell('cpu_fwdbwd_ms')} "
-            f"| {cell('reference_fwdbwd_ms')} | {cell('compiled_fwdbwd_ms')} "
-            f"| {ratio('reference_fwdbwd_ms', 'cpu_fwdbwd_ms')} | {ratio('compiled_fwdbwd_ms', 'cpu_fwdbwd_ms')} "
-            f"| {ratio('reference_fwd_ms', 'cpu_fwd_ms')} | {ratio('compiled_fwd_ms', 'cpu_fwd_ms')} |"
+            f"| {dt} | {n} | {rows} | {dim} | {fwd['median']:.2f} [{fwd['min']:.2f}–{fwd['max']:.2f}] "
+            f"| {gbps('cpu_fwd', r['floor_bytes']):.1f} | {gbps('cpu_fwd_fresh', r['floor_bytes']):.1f} "
+            f"| {gbps('copy', r['copy_bytes']):.1f} | {gbps('clone', r['copy_bytes']):.1f} "
+            f"| {100 * r['copy']['median'] / r['cpu_fwd']['median'] * r['floor_bytes'] / r['copy_bytes']:.0f}% "
+            f"| {ratio('reference_fwd', 'cpu_fwd')} | {ratio('compiled_fwd', 'cpu_fwd')} |"
+        )
+    lines += [
+        "",
+        "## Depth read: forward + backward",
+        "",
+        "Milliseconds, median [min–max] (`median/min` shows the tail); `reused` / `fresh` outputs as above (the "
+        "backward's N source gradients included). `× eager` / `× compile`: the op's (reused) speedup.",
+        "",
+        "| dtype | N | rows | D | cpu reused ms [min–max] | median/min | cpu fresh ms | eager ms | compile ms "
+        "| × eager | × compile |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (dt, n, rows, dim), r in reads.items():
+        if r is None:
+            continue
+        ms = lambda key: f"{1e3 * r[key]['median']:.1f}" if key in r else "—"
+        ratio = lambda a, b: f"{r[a]['median'] / r[b]['median']:.2f}" if a in r and b in r else "—"
+        fb = r["cpu_fwdbwd"]
+        lines.append(
+            f"| {dt} | {n} | {rows} | {dim} | {1e3 * fb['median']:.1f} [{1e3 * fb['min']:.1f}–{1e3 * fb['max']:.1f}] "
+            f"| {fb['median'] / fb['min']:.2f} | {ms('cpu_fwdbwd_fresh')} | {ms('reference_fwdbwd')} "
+            f"| {ms('compiled_fwdbwd')} | {ratio('reference_fwdbwd', 'cpu_fwdbwd')} "
+            f"| {ratio('compiled_fwdbwd', 'cpu_fwdbwd')} |"
         )
     if skipped:
         lines += ["", "Not run (sources and gradients would not fit in memory): " + "; ".join(skipped) + "."]
-    lines += [
+    if small_reads:
+        keys = [k for k in small_reads[0] if k != "read"]
+        lines += [
+            "",
+            "## Small reads: time per call",
+            "",
+            "µs per call (median), one thread, float32, `query`/`norm_weight` [D]. `raw ops`: "
+            "`torch.ops.attnres.depth_attn_fwd` (+ `depth_attn_bwd`) without autograd; `depth_attention`: the "
+            "public function (argument checks, backend resolution, the op with its C++ autograd; fwd+bwd through "
+            "`torch.autograd.grad`); `read_unchecked`: the same without the checks, for modules that validated "
+            "their inputs once. The demo model reads 1 to 13 sources of [10, ~20, 128].",
+            "",
+            "| read | " + " | ".join(keys) + " |",
+            "|---|" + "---|" * len(keys),
+        ]
+        for row in small_reads:
+            lines.append(f"| {row['read']} | " + " | ".join(f"{row[k]:.0f}" for k in keys) + " |")
+    return lines
+
+
+def write_report(path, reads, small_reads, models, meta):
+    lines = [
+        "# CPU benchmark: depth attention and AttnRes training steps",
         "",
-        "## Training step (forward + backward + AdamW)",
+        f"Measured by `python benchmarks/sweep.py` on {meta['date']}: {meta['cpu']}, "
+        f"{meta['threads']} torch threads, torch {meta['torch']}, {meta['build']}; load average "
+        f"{meta['load_before']} before and {meta['load_after']} after the run. "
+        "Shared machine: compare ratios within this run, not absolute times across runs.",
         "",
-        "`depth read`: `cpu` = the fused C++ op (output norm fused into each read), `reference` = the plain-PyTorch "
-        "read in the same model. `saved MiB`: distinct storages autograd keeps for backward.",
-        "",
-        "| config | model | depth read | params | step ms | vs Standard | saved MiB |",
-        "|---|---|---|---|---|---|---|",
+        *read_report_lines(reads, small_reads),
     ]
+    if models:
+        lines += [
+            "",
+            "## Training step (forward + backward + AdamW)",
+            "",
+            "`depth read`: `cpu` = the fused C++ op (output norm fused into each read), `reference` = the "
+            "plain-PyTorch read in the same model. `saved MiB`: distinct storages autograd keeps for backward.",
+            "",
+            "| config | model | depth read | params | step ms | vs Standard | saved MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for m in models:
         lines.append(
             f"| {m['config']} | {m['model']} | {m['depth_read']} | {m['params']:,} | {m['step_ms']:.1f} "
@@ -188,10 +338,20 @@ def write_report(path, reads, models, meta):
         f.write("\n".join(lines) + "\n")
 
 
+def load_average() -> str:
+    try:
+        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu.md"))
-    parser.add_argument("--quick", action="store_true", help="only the N=9, rows=8192, D=1024 fp32 target case")
+    parser.add_argument(
+        "--quick", action="store_true", help="only the N=9, rows=8192, D=1024 target case (fp32 and bf16)"
+    )
+    parser.add_argument("--reads-only", action="store_true", help="skip the model training steps")
     args = parser.parse_args(argv)
     cpu = platform.processor() or platform.machine()
     try:
@@ -205,27 +365,26 @@ def main(argv=None):
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         build=ak.build_info(),
+        load_before=load_average(),
     )
     # Every (N, dtype) recompiles; a cache that overflowed would silently run eager code.
     torch._dynamo.config.cache_size_limit = 256
     compiled_reference = torch.compile(reference_read)
-    cases = (
-        [("fp32", 9, 8192, 1024)]
-        if args.quick
-        else [(dt, n, rows, dim) for dt in DTYPES for rows in ROWS for dim in DIMS for n in COUNTS]
+    targets = [TARGET, ("bf16", *TARGET[1:])]
+    cases = targets + (
+        [] if args.quick else [(dt, n, rows, dim) for dt in DTYPES for rows in ROWS for dim in DIMS for n in COUNTS]
     )
-    if not args.quick:
-        cases.insert(0, ("fp32", 9, 8192, 1024))  # the target case of the CPU-op issue
     reads = {}
     for dt, n, rows, dim in tqdm(cases, desc="depth read", unit="case"):
         reads[(dt, n, rows, dim)] = bench_read(n, rows, dim, DTYPES[dt], compiled_reference)
-    models = [] if args.quick else bench_models()
+    small_reads = bench_small_reads()
+    models = [] if args.quick or args.reads_only else bench_models()
+    meta["load_after"] = load_average()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    write_report(args.out, reads, models, meta)
+    write_report(args.out, reads, small_reads, models, meta)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(
-            dict(meta=meta, reads={"/".join(map(str, k)): v for k, v in reads.items()}, models=models), f, indent=1
-        )
+        reads_json = {"/".join(map(str, k)): v for k, v in reads.items()}
+        json.dump(dict(meta=meta, reads=reads_json, small_reads=small_reads, models=models), f, indent=1)
     print(open(args.out).read())
 
 

@@ -1,7 +1,9 @@
 // Op schemas of the `attnres` namespace.
 //
 // The schemas live here, the kernels in csrc/cpu (and later csrc/cuda) register
-// implementations with TORCH_LIBRARY_IMPL. Fake (meta) kernels and autograd are
+// implementations with TORCH_LIBRARY_IMPL. The autograd of depth_attn_fwd is
+// registered in C++ (csrc/autograd); fake (meta) kernels, the differentiable
+// backward used for double backward, and the autograd of the other ops are
 // registered from Python (attnres_kernels/ops/_registration.py).
 #include <torch/library.h>
 
@@ -43,6 +45,29 @@ TORCH_LIBRARY(attnres, m) {
       "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
       "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
       "Tensor logit, Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Fused attention (DESIGN.md §2.4): q [B, H, Tq, Dh], k/v [B, Hkv, Tk, Dh] (H % Hkv == 0),
+  // key_padding_mask bool [B, Tk] (True = a real key). Returns out [B, H, Tq, Dh] (q's dtype) and
+  // lse [B, H, Tq] (fp32; fp64 for fp64 inputs; -inf for a row that sees no key).
+  m.def(
+      "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float scale) "
+      "-> (Tensor out, Tensor lse)");
+  // Gradients of q, k, v (their dtypes); grad_lse may be absent.
+  m.def(
+      "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+      "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The gradients of depth_attn_fwd as a differentiable function of its inputs
+  // and of the incoming gradients: the backward of the autograd (csrc/autograd)
+  // calls it when it runs with create_graph=True. Implemented in Python
+  // (CompositeImplicitAutograd, by autograd through the reference). Returns one
+  // gradient per source, then those of query, norm_weight, prefix_out,
+  // prefix_lse and out_norm_weight; inputs that are absent or do not require
+  // grad get an empty tensor.
+  m.def(
+      "depth_attn_bwd_differentiable(Tensor? grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, "
+      "Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, "
+      "float eps) -> Tensor[]");
+  // Frees the CPU output buffers the ops keep for reuse (csrc/cpu/output_cache.cpp).
+  m.def("empty_cpu_cache() -> ()", &empty_cpu_cache);
 }
 
 }  // namespace attnres

@@ -10,10 +10,6 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 namespace attnres {
 
 // Name of the vector instruction set the CPU kernels were compiled for.
@@ -148,25 +144,19 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads(
   return {d_query, d_norm, d_g};
 }
 
-// at::empty for a large output that is about to be written in full. On Linux
-// the fresh pages are marked MADV_HUGEPAGE before their first touch: on hosts
-// with transparent huge pages in "madvise" mode, one fault then maps 2 MiB
-// instead of 4 KiB, which for a backward that writes N gradients of [M, D]
-// removes most of the time spent in page faults. Memory the allocator reuses
-// is already mapped and unaffected.
+// An uninitialized CPU tensor whose storage comes from the cache of output
+// buffers (csrc/cpu/output_cache.cpp): a buffer an earlier output freed is
+// reused, already mapped, instead of a fresh allocation that page-faults.
+at::Tensor cached_cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype);
+
+// Frees the cached CPU output buffers that no tensor uses (op attnres::empty_cpu_cache).
+void empty_cpu_cache();
+
+// at::empty for a large output that is about to be written in full; on the CPU
+// it comes from the cache of output buffers (cached_cpu_empty).
 inline at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor t = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t end = begin + t.nbytes();
-  const uintptr_t aligned_begin = (begin + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t aligned_end = end & ~(kHuge - 1);
-  if (t.is_cpu() && aligned_end > aligned_begin) {
-    madvise(reinterpret_cast<void*>(aligned_begin), aligned_end - aligned_begin, MADV_HUGEPAGE);
-  }
-#endif
-  return t;
+  if (options.device().is_cpu()) return cached_cpu_empty(sizes, options.dtype().toScalarType());
+  return at::empty(sizes, options);
 }
 
 // Shape [leading..., *lead_shape, tail...].

@@ -30,15 +30,19 @@ def forward_backward(sources, w, g, g_out, h_a=None, lse_a=None):
     return [out, lse, *grads]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+MIXED = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "mixed"])
 @pytest.mark.parametrize("merge", [False, True])
 def test_bitwise_deterministic_across_runs_and_thread_counts(dtype, merge):
     # 1000 rows: many row chunks in the du reduction, uneven across 2 threads.
-    sources = make_sources(5, (10, 100), 96, dtype)
+    dtypes = MIXED if dtype == "mixed" else [dtype] * 5
+    sources = [s.to(dt) for s, dt in zip(make_sources(5, (10, 100), 96, torch.float64), dtypes)]
     w, g, g_out = site_params(3, 96)
     prefix = ()
     if merge:
-        h_a, lse_a = reference.depth_attention(w, make_sources(2, (10, 100), 96, dtype), g, return_lse=True)
+        h_a, lse_a = reference.depth_attention(w, make_sources(2, (10, 100), 96, dtypes[1]), g, return_lse=True)
         prefix = (h_a, lse_a)  # h_a is not contiguous: exercises the copy-when-needed path
     threads = torch.get_num_threads()
     try:

@@ -1,12 +1,19 @@
 """The demo (the main job) end to end on a few epochs."""
 
+import importlib.metadata
 import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
 
 from attnres_kernels import demo
 
 
 def test_demo_runs_and_writes_its_report(tmp_path, capsys):
-    summary = demo.main(["--epochs", "2", "--out", str(tmp_path), "--seed", "3"])
+    summary = demo.run(["--epochs", "2", "--out", str(tmp_path), "--seed", "3"])
     printed = capsys.readouterr().out
     for heading in (
         "Parameters",
@@ -40,3 +47,25 @@ def test_tokenizer_round_trip_and_batch_targets():
         # Targets cover exactly the English characters plus <eos>.
         assert int((y[i] != -100).sum()) == len(en) + 1
         assert tok.decode(y[i][y[i] != -100].tolist()) == en
+
+
+def test_installed_console_script_exits_zero(tmp_path):
+    """The ``attnres-demo`` entry point of an installed package trains, plots and exits
+    with status 0, printing the tables (not the results dict) on stdout."""
+    try:
+        dist = importlib.metadata.distribution("attnres_kernels")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("attnres_kernels is not installed as a distribution (in-place build)")
+    assert any(ep.name == "attnres-demo" for ep in dist.entry_points)
+    script = shutil.which("attnres-demo", path=os.path.dirname(sys.executable))
+    assert script is not None, "the attnres-demo console script is not installed next to the interpreter"
+    result = subprocess.run(
+        [script, "--epochs", "1", "--models", "Standard", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Time and accuracy" in result.stdout
+    assert "'models'" not in result.stdout + result.stderr  # no dump of the results dict
+    assert (tmp_path / "results.json").exists() and (tmp_path / "loss_curves.png").exists()

@@ -67,6 +67,43 @@ def test_site_groups_and_poisoned_buffers(monkeypatch, merge):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.usefixtures("poisoned_allocations")
+def test_mixed_dtypes_out_of_slot_order_with_site_groups(monkeypatch):
+    """Sources of four dtypes in no slot order (fp64 among them: fp64 accumulation and the
+    fp64 slot), one of them unaligned, Q = 3 sites in 3 launches (so later groups add to the
+    source gradients in each source's dtype), a bf16 merge prefix: every output and gradient
+    written, in its own dtype, equal to the reference computed in fp64."""
+    from attnres_kernels.triton import launch
+
+    monkeypatch.setattr(launch, "MULTI_SITE_TILE", launch.MIN_BLOCK_D)
+    dtypes = [torch.bfloat16, torch.float64, torch.float32, torch.float16, torch.bfloat16]
+    sources = [s.to(dt) for s, dt in zip(make_sources(5, (2, 3), 20, torch.float64), dtypes)]
+    sources[2] = torch.randn(2 * 3 * 20 + 1)[1:].view(2, 3, 20)  # fp32 starting 4 bytes into its storage
+    assert launch._slot_layout(sources).order == [1, 2, 3, 0, 4]
+    w, g, g_out = site_params(3, 20, torch.float64)
+    h_a, lse_a = reference.depth_attention(w, make_sources(2, (2, 3), 20, torch.float64), g, return_lse=True)
+    h_a = h_a.to(torch.bfloat16)
+    got = _run("triton", sources, w, g, g_out, h_a, lse_a)
+    want = _run("reference", sources, w, g, g_out, h_a, lse_a)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and not a.isnan().any(), k
+        tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(a.dtype, 1e-2)
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    for s, grad in zip(sources, got[2:7]):
+        assert grad.dtype == s.dtype
+
+
+def test_slot_layout():
+    from attnres_kernels.triton import launch
+
+    f64, f32, f16, bf16 = launch.SLOT_DTYPES
+    mk = lambda *dts: [torch.empty(0, dtype=dt) for dt in dts]
+    assert launch._slot_layout(mk(f32, bf16, bf16)) == (None, (0, 0, 1, 1, 3))
+    assert launch._slot_layout(mk(bf16, bf16)) == (None, (0, 0, 0, 0, 2))
+    assert launch._slot_layout(mk(bf16, f32, f16, f32)) == ([1, 3, 2, 0], (0, 0, 2, 3, 4))
+    assert launch._slot_layout(mk(f16, f64)).arrange(["a", "b"]) == ["b", "a"]
+
+
 def test_triton_kernels_are_launched(monkeypatch):
     """Counts launches of the real kernels: a fallback could not produce them."""
     from attnres_kernels.triton import launch
@@ -148,6 +185,29 @@ def test_gpu_compile_fullgraph():
 
     compiled = torch.compile(fn, fullgraph=True)
     torch.testing.assert_close(compiled(w, g, *sources), fn(w, g, *sources), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+def test_gpu_one_compiled_kernel_serves_any_count_and_mix():
+    """Reads with 1, 3 and 9 sources in different dtype mixes (fp32 output each time) run the
+    forward and backward kernels compiled once."""
+    from attnres_kernels.triton import kernels
+
+    w, g, _ = (p.cuda() for p in site_params(None, 256))
+    mixes = [
+        [torch.float32],
+        [torch.float32] + [torch.bfloat16] * 2,
+        [torch.bfloat16, torch.float32, torch.float16] * 3,
+    ]
+    before = {
+        k: len(k.device_caches[torch.cuda.current_device()][0])
+        for k in (kernels.depth_attn_fwd_kernel, kernels.depth_attn_bwd_kernel)
+    }
+    for dtypes in mixes:
+        sources = [torch.randn(4, 64, 256, device="cuda", dtype=dt).requires_grad_() for dt in dtypes]
+        ak.depth_attention(w, sources, g, backend="triton").sum().backward()
+    for kernel, count in before.items():
+        assert len(kernel.device_caches[torch.cuda.current_device()][0]) - count <= 1
 
 
 @pytest.mark.cuda

@@ -28,12 +28,19 @@ the site parameters, the prefix when given, and the fp32/fp64 per-row scalars
 
 Attention and the Block step follow below, each with its schema.
 
+Autograd of the depth read. The C++ ops ``attnres::depth_attn_fwd`` have their
+autograd in C++ (``csrc/autograd``, registered for the Autograd dispatch key,
+serving the CPU and CUDA kernels alike): a Python autograd wrapper costs more
+than the kernels of a small read. Every other forward op (the Triton
+namespace, attention, the Block step) gets the Python autograd below.
+
 Higher-order gradients. The fused backward kernels are not themselves
 differentiable. When a backward runs with ``create_graph=True`` (grad mode on
-inside the backward), the Python autograd here computes the gradients instead
-by autograd through the plain-PyTorch reference, as a differentiable function
-of the saved inputs (:func:`differentiable_grads`): double backward is then
-exact, on every backend, at the reference's cost.
+inside the backward), the gradients are computed instead by autograd through
+the plain-PyTorch reference, as a differentiable function of the saved inputs
+(:func:`differentiable_grads`; for the C++ autograd through the op
+``attnres::depth_attn_bwd_differentiable``, implemented here): double backward
+is then exact, on every backend, at the reference's cost.
 """
 
 from __future__ import annotations
@@ -183,6 +190,31 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
         )
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+
+
+def differentiable_depth_bwd(
+    grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps
+):
+    """``attnres::depth_attn_bwd_differentiable``: the gradients of ``depth_attn_fwd``
+    w.r.t. its inputs, differentiable (by autograd through the reference). One
+    per source, then query, norm_weight, prefix_out, prefix_lse, out_norm_weight;
+    an empty tensor for an input that is absent or does not require grad."""
+    n = len(sources)
+    grads = differentiable_grads(
+        lambda x: reference_depth_fwd(x[:n], *x[n:], eps),
+        [*sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
+        [grad_out, grad_lse, grad_logits],
+    )
+    return [g if g is not None else query.new_empty((0,)) for g in grads]
+
+
+def register_native_depth_attn_ops(namespace: str = "attnres") -> None:
+    """Python parts of a C++ depth read whose autograd is registered in C++: the
+    fake kernels and the differentiable backward its double backward calls."""
+    register_depth_attn_fakes(f"{namespace}::depth_attn_fwd", f"{namespace}::depth_attn_bwd")
+    torch.library.impl(f"{namespace}::depth_attn_bwd_differentiable", "CompositeImplicitAutograd")(
+        differentiable_depth_bwd
+    )
 
 
 def register_depth_attn_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:

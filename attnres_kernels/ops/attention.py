@@ -25,10 +25,26 @@ if _native.defines("attn_fwd"):
     register_attention_ops("attnres::attn_fwd", "attnres::attn_bwd", torch.ops.attnres.attn_bwd.default)
 
 
+# Whether the Triton backend defines attnres_triton::attn_fwd; looked up on first use
+# (importing the Triton ops loads Triton) and then read as a plain global.
+_triton_defines_attention = None
+
+
+def _triton_has_attention() -> bool:
+    global _triton_defines_attention
+    if _triton_defines_attention is None:
+        from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)
+
+        _triton_defines_attention = "attnres_triton::attn_fwd" in torch._C._dispatch_get_all_op_names()
+    return _triton_defines_attention
+
+
 def _limit(head_dim: int):
     def limit(backend: str) -> str | None:
         if head_dim > MAX_HEAD_DIM:
             return f"the fused attention kernels support head sizes Dh <= {MAX_HEAD_DIM}, got Dh = {head_dim}"
+        if backend == "triton" and not _triton_has_attention():
+            return "the Triton backend does not define attnres_triton::attn_fwd"
         return None
 
     return limit
@@ -60,9 +76,16 @@ def attention(
     """``softmax(q kᵀ · scale + mask) v``, fused (FlashAttention-2 style: no T×T matrix
     in memory, fp32 LSE saved for a backward that recomputes the probabilities).
 
-    Same arguments and results as :func:`attnres_kernels.reference.attention`, plus
-    ``backend`` (see :mod:`attnres_kernels.ops`). Fused kernels take head sizes up to
-    :data:`MAX_HEAD_DIM`."""
+    Same arguments and results as :func:`attnres_kernels.reference.attention` (masks,
+    grouped-query attention, ``Tq != Tk`` with bottom-right causal alignment, rows that
+    see no key give 0 / ``lse = -inf`` / zero gradients), plus ``backend`` (see
+    :mod:`attnres_kernels.ops._dispatch`: ``"auto"`` runs the C++ kernels on CPU
+    tensors; a backend named explicitly that cannot run the call raises
+    :class:`~attnres_kernels.ops.BackendUnavailableError`). The fused kernels take
+    fp16, bf16, fp32 (all accumulated in fp32) and fp64, any sequence lengths and
+    strides, and head sizes up to :data:`MAX_HEAD_DIM`; ``"auto"`` falls back to the
+    reference (with a one-time warning) beyond that. Double backward is exact: it
+    runs through the reference."""
     scale = check_attention(q, k, v, key_padding_mask, scale)
     chosen = resolve_backend(backend, q.device, q.shape[-1])
     if chosen == "reference":

@@ -3,7 +3,8 @@
 Both validate their arguments in Python (:mod:`attnres_kernels._validation`),
 pick a backend (:mod:`attnres_kernels.ops._dispatch`) and run either the
 reference or the backend's ``depth_attn_fwd`` op, whose fake kernel and
-autograd are registered in :mod:`attnres_kernels.ops._registration`.
+autograd are registered in :mod:`attnres_kernels.ops._registration` (the C++
+op's autograd in ``csrc/autograd``).
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validation import Sources, check_depth_read, check_prefix
+from .._validation import Sources, check_depth_read, check_prefix_args
 from . import _dispatch, _native
-from ._registration import register_depth_attn_ops
+from ._registration import register_native_depth_attn_ops
 
 if _native.available():
-    register_depth_attn_ops(
-        "attnres::depth_attn_fwd", "attnres::depth_attn_bwd", torch.ops.attnres.depth_attn_bwd.default
-    )
+    register_native_depth_attn_ops()
 
 
 def _limit(dim: int, dtype: torch.dtype):
@@ -150,8 +149,9 @@ def depth_attention_merge(
     Equals :func:`depth_attention` over ``A ∪ B``; see
     :func:`attnres_kernels.reference.depth_attention_merge`.
     """
-    args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    args, _ = check_prefix(args, prefix_out, prefix_lse)
+    args = check_prefix_args(
+        check_depth_read(query, sources, norm_weight, out_norm_weight, eps), prefix_out, prefix_lse
+    )
     chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
     if chosen == "reference":
         return reference.depth_attention_merge(

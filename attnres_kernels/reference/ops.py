@@ -135,7 +135,28 @@ def attention(
         return_lse: also return ``lse = logsumexp_j(s_j)`` over the visible keys,
             ``[B, H, Tq]`` in the accumulation dtype.
 
-    A query row that sees no key gets output 0, ``lse = -inf`` and zero gradients.
+    Returns:
+        ``out`` (``[B, H, Tq, Dh]``, q's dtype), followed by ``lse`` when asked for.
+
+    A query row that sees no key (every key padded, or ``Tq > Tk`` under ``causal``
+    for its first ``Tq - Tk`` rows) gets output 0, ``lse = -inf`` and zero gradients,
+    never NaN.
+
+    Backward (what the fused kernels compute; here autograd derives it). Per head,
+    with ``S = q kᵀ · scale`` (hidden keys at -inf), ``P = exp(S - lse)`` (0 in rows
+    that see no key), ``O = P v`` and incoming gradients ``dO`` and ``dlse``::
+
+        dP = dO vᵀ
+        δ  = rowsum(dO ⊙ O) - dlse          # = rowsum(P ⊙ dP) - dlse
+        dS = P ⊙ (dP - δ)                   # = P ⊙ (dP - rowsum(dO ⊙ O)) + P ⊙ dlse
+        dq = dS k · scale
+        dk = dSᵀ q · scale
+        dv = Pᵀ dO
+
+    With grouped-query attention, dk and dv of a key/value head sum these terms over
+    the ``H / Hkv`` query heads that read it. ``dlse`` enters through
+    ``∂lse/∂S = P``. No ``T x T`` matrix is needed: a kernel recomputes ``P`` tile by
+    tile from the saved ``lse``, and ``δ`` is one number per query row.
     """
     scale = check_attention(q, k, v, key_padding_mask, scale)
     acc = accumulation_dtype(q.dtype)

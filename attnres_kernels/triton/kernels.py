@@ -2,23 +2,36 @@
 
 Layout shared by all kernels:
 
-- **Sources without a stacking copy.** The N sources are separate ``[M, D]``
-  row-major tensors. A kernel receives the first one as ``src_ptr`` plus two
-  small int64 tables: ``src_offsets[i]``, the element offset of source i from
-  ``src_ptr`` (``(data_ptr_i - data_ptr_0) / itemsize``, exact because every
-  tensor is aligned to its item size), and ``src_strides[i]``, its row
-  stride. Sources are then visited by a runtime loop, so one compiled kernel
-  serves any N and the loop body is not unrolled (few registers). The source
-  gradients are written the same way through ``dsrc_ptr``/``dsrc_offsets``.
-  ``ALIGN`` > 1 tells the compiler every row start is a multiple of ``ALIGN``
-  elements (the launcher checks 16-byte alignment), so loads stay vectorized.
+- **Sources without a stacking copy, in their own dtypes.** The N sources are
+  separate ``[M, D]`` row-major tensors whose dtypes may differ (under autocast
+  the fp32 embedding is read with bf16/fp16 sublayer outputs, DESIGN.md §2.5).
+  The launcher orders them by dtype into *slots* (fp64, fp32, fp16, bf16: the
+  order of :data:`attnres_kernels.triton.launch.SLOT_DTYPES`) and passes, per
+  slot, a base pointer of that dtype in the tuple ``src_ptrs`` (the slot's first
+  source, or an empty tensor when no source has that dtype; the fp64 slot is
+  ``None``, compiled out, unless ``ACC`` is fp64) and the slot boundaries
+  ``slot_bounds``: slot k holds the sources ``slot_bounds[k] <= i < slot_bounds[k+1]``
+  (``slot_bounds[4] = N``). Two int64 tables give per source ``src_offsets[i]``,
+  its element offset from its slot's base pointer (``(data_ptr_i - data_ptr_base)
+  / itemsize``, exact because every tensor is aligned to its item size), and
+  ``src_strides[i]``, its row stride. Sources are visited by one runtime loop
+  whose body loads source i through the pointer of its slot (:func:`_load_slot_row`:
+  a few uniform compare-and-branch instructions pick the load; the loaded row
+  is converted to ``ACC`` in registers, no cast copies). So one compiled kernel
+  serves any N and any mix of dtypes (``slot_bounds`` and the base pointers are
+  not specialized on), and the loop body is not unrolled (few registers). The
+  source gradients are written the same way, each in its source's dtype, through
+  ``dsrc_ptrs``/``dsrc_offsets``. ``ALIGNED`` tells the compiler every row starts
+  16-byte aligned (the launcher checks), so loads and stores stay vectorized.
 - One program holds a ``[BLOCK_Q, BLOCK_D]`` tile: every site of the group
   times a whole row (``BLOCK_D = next_pow2(D)``, masked), so each source row
   is loaded once for all sites.
 - Per-site tensors are ``[Q, M, D]`` / ``[Q, M]``; ``logits`` is ``[Q, N, M]``
-  (site stride ``stride_logits_q``, source stride M); ``rinv`` is ``[N, M]``.
-- ``ACC`` is the accumulation dtype (fp32, or fp64 for fp64 inputs) so that
-  fp64 gradcheck runs through this code; bf16/fp16 are cast to ``ACC`` on load.
+  (site stride ``stride_logits_q``, source stride M); ``rinv`` is ``[N, M]``;
+  sources are numbered in slot order.
+- ``ACC`` is the accumulation dtype (fp32, or fp64 when the promoted dtype is
+  fp64) so that fp64 gradcheck runs through this code; every load is converted
+  to ``ACC``, every store to its destination's dtype.
 - The backward is deterministic: no atomics. Each program sums its own rows
   into a private partial (``du_part[pid]``, ``dg_part[pid]``), and
   :func:`column_sum_kernel` adds the partials in program order.
@@ -29,20 +42,85 @@ import triton.language as tl
 
 
 @triton.jit
-def _source_row(base_ptr, offsets_ptr, strides_ptr, i, row, ALIGN: tl.constexpr):
-    """Pointer to row ``row`` of source ``i``."""
-    start = tl.load(offsets_ptr + i) + row * tl.load(strides_ptr + i)
-    if ALIGN > 1:
-        start = tl.multiple_of(start, ALIGN)
-    return base_ptr + start
+def _row_ptr(base_ptr, start, ALIGNED: tl.constexpr):
+    """``base_ptr + start``, declared 16-byte aligned with ``ALIGNED``. (The hint is put on
+    the pointer computed here: a ``tl.multiple_of`` of a function argument would be lost.)"""
+    ptr = base_ptr + start
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
+def _cast_for(x, ptr):
+    """``x`` converted to ``ptr``'s element type. 16-bit floats are converted from fp32, so
+    fp64 values go through fp32 first, as PyTorch converts them (and as Triton's interpreter
+    needs: it cannot convert fp64 to bf16)."""
+    if ptr.dtype.element_ty.primitive_bitwidth == 16:
+        x = x.to(tl.float32)
+    return x.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def _load_row(base_ptr, start, offs_d, mask_d, ACC: tl.constexpr, ALIGNED: tl.constexpr):
+    return tl.load(_row_ptr(base_ptr, start, ALIGNED) + offs_d, mask=mask_d, other=0.0).to(ACC)
+
+
+@triton.jit
+def _store_row(base_ptr, start, x, offs_d, mask_d, ALIGNED: tl.constexpr):
+    tl.store(_row_ptr(base_ptr, start, ALIGNED) + offs_d, _cast_for(x, base_ptr), mask=mask_d)
+
+
+@triton.jit
+def _load_slot_row(ptrs, slot_bounds, i, start, offs_d, mask_d, ACC: tl.constexpr, ALIGNED: tl.constexpr):
+    """The row at element offset ``start`` from the base pointer of source ``i``'s slot, in the
+    slot's dtype, converted to ``ACC``. The branches are uniform over the program; bf16 (the
+    usual GPU training dtype) is tested first: one comparison."""
+    if i >= slot_bounds[3]:
+        x = _load_row(ptrs[3], start, offs_d, mask_d, ACC, ALIGNED)
+    elif i >= slot_bounds[2]:
+        x = _load_row(ptrs[2], start, offs_d, mask_d, ACC, ALIGNED)
+    elif ptrs[0] is None:
+        x = _load_row(ptrs[1], start, offs_d, mask_d, ACC, ALIGNED)
+    elif i >= slot_bounds[1]:
+        x = _load_row(ptrs[1], start, offs_d, mask_d, ACC, ALIGNED)
+    else:
+        x = _load_row(ptrs[0], start, offs_d, mask_d, ACC, ALIGNED)
+    return x
+
+
+@triton.jit
+def _store_slot_row(ptrs, slot_bounds, i, start, x, offs_d, mask_d, ALIGNED: tl.constexpr):
+    """Stores ``x`` at element offset ``start`` from the base pointer of source ``i``'s slot, in
+    the slot's dtype (the branches of :func:`_load_slot_row`)."""
+    if i >= slot_bounds[3]:
+        _store_row(ptrs[3], start, x, offs_d, mask_d, ALIGNED)
+    elif i >= slot_bounds[2]:
+        _store_row(ptrs[2], start, x, offs_d, mask_d, ALIGNED)
+    elif ptrs[0] is None:
+        _store_row(ptrs[1], start, x, offs_d, mask_d, ALIGNED)
+    elif i >= slot_bounds[1]:
+        _store_row(ptrs[1], start, x, offs_d, mask_d, ALIGNED)
+    else:
+        _store_row(ptrs[0], start, x, offs_d, mask_d, ALIGNED)
+
+
+@triton.jit
+def _load_source_row(
+    src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """Row ``row`` of source ``i``, cast to ``ACC``."""
+    start = tl.load(src_offsets_ptr + i) + row * tl.load(src_strides_ptr + i)
+    return _load_slot_row(src_ptrs, slot_bounds, i, start, offs_d, mask_d, ACC, ALIGNED)
+
+
+@triton.jit(do_not_specialize=["slot_bounds"], do_not_specialize_on_alignment=["src_ptrs"])
 def depth_attn_fwd_kernel(
-    src_ptr,
+    src_ptrs,
     src_offsets_ptr,
     src_strides_ptr,
-    n_src,
+    slot_bounds,
     u_ptr,
     prefix_h_ptr,
     prefix_lse_ptr,
@@ -61,7 +139,7 @@ def depth_attn_fwd_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Grid ``(M,)``: one row per program; online softmax over the sources.
 
@@ -69,6 +147,7 @@ def depth_attn_fwd_kernel(
     continues from ``(h_a, lse_a)`` (a merge). Writes ``out`` (``h``, or
     ``rmsnorm(h) * g``), ``lse``, the logits and the key-norm scales ``rinv``."""
     row = tl.program_id(0).to(tl.int64)
+    n_src = slot_bounds[len(slot_bounds) - 1]
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     mask_q = offs_q < n_q
@@ -86,8 +165,9 @@ def depth_attn_fwd_kernel(
         run_max = tl.full([BLOCK_Q], float("-inf"), ACC)
         denom = tl.zeros([BLOCK_Q], ACC)
     for i in range(n_src):
-        v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
-        v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+        v = _load_source_row(
+            src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
+        )
         r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + EPS)
         s = r * tl.sum(u * v[None, :], axis=1)
         tl.store(logits_ptr + offs_q * stride_logits_q + i * M + row, s, mask=mask_q)
@@ -104,17 +184,17 @@ def depth_attn_fwd_kernel(
         g = tl.load(g_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
         rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
         h = h * rstd[:, None] * g
-    tl.store(out_ptr + row_qd, h.to(out_ptr.dtype.element_ty), mask=mask_qd)
+    tl.store(out_ptr + row_qd, _cast_for(h, out_ptr), mask=mask_qd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_bounds"], do_not_specialize_on_alignment=["src_ptrs", "dsrc_ptrs"])
 def depth_attn_bwd_kernel(
-    src_ptr,
+    src_ptrs,
     src_offsets_ptr,
     src_strides_ptr,
-    dsrc_ptr,
+    dsrc_ptrs,
     dsrc_offsets_ptr,
-    n_src,
+    slot_bounds,
     dy_ptr,
     u_ptr,
     g_ptr,
@@ -142,7 +222,7 @@ def depth_attn_bwd_kernel(
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
-    ALIGN: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """Grid ``(cdiv(M, ROWS),)``: all gradients of the read for ``ROWS`` rows.
 
@@ -163,6 +243,7 @@ def depth_attn_bwd_kernel(
     (read-modify-write in memory rather than registers: only ``do`` and one
     source row stay live)."""
     pid = tl.program_id(0)
+    n_src = slot_bounds[len(slot_bounds) - 1]
     offs_q = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, BLOCK_D)
     mask_q = offs_q < n_q
@@ -208,8 +289,9 @@ def depth_attn_bwd_kernel(
                 else:
                     h = tl.zeros([BLOCK_Q, BLOCK_D], ACC)
                 for i in range(n_src):
-                    v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
-                    v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                    v = _load_source_row(
+                        src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
+                    )
                     s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                     h += (tl.exp(s - top) * inv_z)[:, None] * v[None, :]
                 rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
@@ -225,13 +307,15 @@ def depth_attn_bwd_kernel(
                 else:
                     delta = tl.zeros([BLOCK_Q], ACC)
                 for i in range(n_src):
-                    v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
-                    v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                    v = _load_source_row(
+                        src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
+                    )
                     s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                     delta += tl.exp(s - top) * inv_z * tl.sum(do * v[None, :], axis=1)
             for i in range(n_src):
-                v_ptr = _source_row(src_ptr, src_offsets_ptr, src_strides_ptr, i, row, ALIGN)
-                v = tl.load(v_ptr + offs_d, mask=mask_d, other=0.0).to(ACC)
+                v = _load_source_row(
+                    src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
+                )
                 s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                 r_i = tl.load(rinv_ptr + i * M + row)
                 alpha = tl.exp(s - top) * inv_z
@@ -242,18 +326,13 @@ def depth_attn_bwd_kernel(
                 c2 = tl.sum(ds * s, axis=0) * r_i * r_i / D
                 u = tl.load(u_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
                 dv = tl.sum(alpha[:, None] * do + c1[:, None] * u, axis=0) - c2 * v
-                start = tl.load(dsrc_offsets_ptr + i) + row * D
-                if ALIGN > 1:
-                    start = tl.multiple_of(start, ALIGN)
-                dv_ptrs = dsrc_ptr + start + offs_d
+                dv_start = tl.load(dsrc_offsets_ptr + i) + row * D
                 if ACCUMULATE_DV:
-                    dv += tl.load(dv_ptrs, mask=mask_d, other=0.0).to(ACC)
-                tl.store(dv_ptrs, dv.to(dsrc_ptr.dtype.element_ty), mask=mask_d)
+                    dv += _load_slot_row(dsrc_ptrs, slot_bounds, i, dv_start, offs_d, mask_d, ACC, ALIGNED)
+                _store_slot_row(dsrc_ptrs, slot_bounds, i, dv_start, dv, offs_d, mask_d, ALIGNED)
                 tl.store(du_ptrs, tl.load(du_ptrs, mask=mask_qd, other=0.0) + c1[:, None] * v[None, :], mask=mask_qd)
             if HAS_PREFIX:
-                tl.store(
-                    dprefix_h_ptr + row_qd, (alpha_a[:, None] * do).to(dprefix_h_ptr.dtype.element_ty), mask=mask_qd
-                )
+                tl.store(dprefix_h_ptr + row_qd, _cast_for(alpha_a[:, None] * do, dprefix_h_ptr), mask=mask_qd)
                 tl.store(dprefix_lse_ptr + row_q, alpha_a * (dp_a - delta + dlse), mask=mask_q)
 
 

@@ -9,6 +9,7 @@ choices (:func:`kernel_config`) are exactly what
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
+from .._validation import accumulation_dtype, promoted_dtype
 from . import max_dim
 from .kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
 
@@ -25,6 +27,10 @@ MULTI_SITE_TILE = 4096  # max [BLOCK_Q, BLOCK_D] elements when BLOCK_Q > 1 (one 
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
 BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reductions
 COLUMN_SUM_BLOCK = 1024
+# Source dtypes in the kernels' slot order (see kernels.py). Under autocast the fp32 embedding comes
+# first and bf16/fp16 sublayer outputs after it, so the usual lists are already in slot order.
+SLOT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+_SLOT_OF = {dtype: k for k, dtype in enumerate(SLOT_DTYPES)}
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,14 @@ def kernel_config(dim: int, num_queries: int, dtype: torch.dtype) -> KernelConfi
     if not 1 <= dim <= max_dim(dtype):
         raise ValueError(f"the Triton depth read supports 1 <= D <= {max_dim(dtype)} for {dtype}, got D = {dim}")
     words = 2 if dtype == torch.float64 else 1
-    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(dim))
-    block_q = max(
-        1, min(triton.next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words))
-    )
+    block_d = max(MIN_BLOCK_D, _next_power_of_2(dim))
+    block_q = max(1, min(_next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words)))
     num_warps = max(1, min(16, block_q * block_d * words // 512))
     return KernelConfig(block_d, block_q, num_warps)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def all_kernel_configs(dtype: torch.dtype) -> list:
@@ -86,52 +94,31 @@ class AotLaunch(NamedTuple):
 
 
 def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
-    """The launches of one configuration: realistic pointer/int arguments,
-    every optional feature switched on."""
-    acc_torch = torch.float64 if dtype == torch.float64 else torch.float32
-    acc_tl = tl.float64 if dtype == torch.float64 else tl.float32
-    src, acc, table = MockTensor(dtype), MockTensor(acc_torch), MockTensor(torch.int64)
-    tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGN=16 // src.dtype.itemsize)
+    """The launches of one configuration for reads whose promoted dtype is ``dtype``:
+    realistic pointer/int arguments, every source slot present (one compiled kernel
+    serves every mix of source dtypes), every optional feature switched on."""
+    acc_torch, acc_tl = _acc_dtypes(dtype)
+    out, acc, table = MockTensor(dtype), MockTensor(acc_torch), MockTensor(torch.int64)
+    slots = tuple(None if _absent_slot(k, acc_torch) else MockTensor(dt) for k, dt in enumerate(SLOT_DTYPES))
+    tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGNED=True)
     m, d, n, nq = 4096, 1024, 9, 2
+    bounds = (0, 2, 5, 7, n)
     label = f"BLOCK_D={cfg.block_d} BLOCK_Q={cfg.block_q} warps={cfg.num_warps}"
     yield AotLaunch(
         "depth_attn_fwd",
         label,
         depth_attn_fwd_kernel,
-        [src, table, table, n, acc, src, acc, acc, src, acc, acc, acc, m, d, nq, n * m],
+        [slots, table, table, bounds, acc, out, acc, acc, out, acc, acc, acc, m, d, nq, n * m],
         dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile),
         cfg.launch_options(),
     )
     for out_norm in (True, False):
+        args = [slots, table, table, slots, table, bounds, out, acc, acc, acc, acc, acc, acc, out, acc, out, acc]
         yield AotLaunch(
             f"depth_attn_bwd[out_norm={int(out_norm)}]",
             label,
             depth_attn_bwd_kernel,
-            [
-                src,
-                table,
-                table,
-                src,
-                table,
-                n,
-                src,
-                acc,
-                acc,
-                acc,
-                acc,
-                acc,
-                acc,
-                src,
-                acc,
-                src,
-                acc,
-                acc,
-                acc,
-                m,
-                d,
-                nq,
-                n * m,
-            ],
+            [*args, acc, acc, m, d, nq, n * m],
             dict(
                 EPS=1e-6,
                 HAS_OUT_NORM=out_norm,
@@ -166,33 +153,86 @@ def aot_launches(dtype: torch.dtype) -> list:
 
 
 def _acc_dtypes(dtype: torch.dtype):
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+    """The accumulation dtype of reads whose promoted dtype is ``dtype``, in torch and Triton."""
+    acc = accumulation_dtype(dtype)
+    return acc, (tl.float64 if acc == torch.float64 else tl.float32)
+
+
+def _absent_slot(slot: int, acc: torch.dtype) -> bool:
+    """The fp64 slot is compiled only into fp64-accumulating kernels (an fp64 source makes
+    the promoted dtype fp64)."""
+    return SLOT_DTYPES[slot] == torch.float64 and acc != torch.float64
+
+
+class SlotLayout(NamedTuple):
+    """Where each source goes in the kernels' slot order (see kernels.py)."""
+
+    order: list | None  # source indices in slot order; None when the sources already are in slot order
+    bounds: tuple  # slot k holds the sources bounds[k] <= i < bounds[k + 1] (in slot order)
+
+    def arrange(self, items: list) -> list:
+        """``items`` (one per source) in slot order."""
+        return items if self.order is None else [items[i] for i in self.order]
+
+
+def _slot_layout(sources) -> SlotLayout:
+    slots = [_SLOT_OF[s.dtype] for s in sources]
+    bounds = [0] * (len(SLOT_DTYPES) + 1)
+    for k in slots:
+        bounds[k + 1] += 1
+    for k in range(len(SLOT_DTYPES)):
+        bounds[k + 1] += bounds[k]
+    in_order = all(a <= b for a, b in zip(slots, slots[1:]))
+    return SlotLayout(None if in_order else sorted(range(len(slots)), key=slots.__getitem__), tuple(bounds))
+
+
+@functools.cache
+def _empty(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Base pointer of a slot that no source uses (its loop runs zero times)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
+def _slot_bases(tensors: list, bounds: tuple, acc: torch.dtype) -> tuple:
+    """The base tensor of each slot: its first source, an empty tensor of the slot's dtype
+    when no source has it, or None for a slot the kernel is compiled without."""
+    bases = []
+    for k, dtype in enumerate(SLOT_DTYPES):
+        if _absent_slot(k, acc):
+            bases.append(None)
+        elif bounds[k] < bounds[k + 1]:
+            bases.append(tensors[bounds[k]])
+        else:
+            bases.append(_empty(tensors[0].device, dtype))
+    return tuple(bases)
+
+
+def _slot_offsets(tensors: list, bounds: tuple) -> list:
+    """Element offset of each tensor's data from the first tensor of its slot (slot order)."""
+    offsets = []
+    for k in range(len(SLOT_DTYPES)):
+        if bounds[k] < bounds[k + 1]:
+            base = tensors[bounds[k]].data_ptr()
+            offsets += [(t.data_ptr() - base) // t.element_size() for t in tensors[bounds[k] : bounds[k + 1]]]
+    return offsets
+
+
+def _int64_table(values: list, device: torch.device) -> torch.Tensor:
+    """All the int64 entries of a launch in one host-to-device copy."""
+    table = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":  # pinned + non_blocking: no stream synchronization
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+def _aligned(tensors: list) -> bool:
+    """Whether every row of every tensor starts 16-byte aligned."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``[M, D]`` view with unit column stride (a copy only when the layout needs one)."""
     r = t.reshape(-1, dim)
     return r if r.stride(1) == 1 else r.contiguous()
-
-
-def _int64_table(values: list, device: torch.device) -> torch.Tensor:
-    table = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":  # pinned + non_blocking: no stream synchronization
-        return table.pin_memory().to(device, non_blocking=True)
-    return table.to(device)
-
-
-def _offsets(tensors: list) -> list:
-    """Element offsets of each tensor's data from the first one's."""
-    base, itemsize = tensors[0].data_ptr(), tensors[0].element_size()
-    return [(t.data_ptr() - base) // itemsize for t in tensors]
-
-
-def _alignment(tensors: list) -> int:
-    """``ALIGN``: elements per 16 bytes if every row of every tensor starts 16-byte aligned, else 1."""
-    itemsize = tensors[0].element_size()
-    aligned = all(t.data_ptr() % 16 == 0 and (t.stride(0) * itemsize) % 16 == 0 for t in tensors)
-    return 16 // itemsize if aligned else 1
 
 
 def _site_groups(num_queries: int, block_q: int):
@@ -215,38 +255,47 @@ def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return (grad.sum(0) if param.dim() == 1 else grad).to(param.dtype)
 
 
+def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
+    return torch.tensor(layout.order, device=device)
+
+
 def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps: float):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     first = sources[0]
     dim, lead = first.shape[-1], first.shape[:-1]
-    rows = [_rows(s, dim) for s in sources]
-    acc_torch, acc_tl = _acc_dtypes(first.dtype)
+    out_dtype = promoted_dtype([*sources, prefix_out])
+    acc_torch, acc_tl = _acc_dtypes(out_dtype)
     u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
-    m, n, q = rows[0].shape[0], len(rows), u.shape[0]
+    m, n, q = first.numel() // dim, len(sources), u.shape[0]
     q_dims = tuple(query.shape[:-1])
-    cfg = kernel_config(dim, q, first.dtype)
+    cfg = kernel_config(dim, q, out_dtype)
     outputs = (
-        first.new_empty((*q_dims, *lead, dim)),
+        first.new_empty((*q_dims, *lead, dim), dtype=out_dtype),
         first.new_empty((*q_dims, *lead), dtype=acc_torch),
         first.new_empty((*q_dims, n, *lead), dtype=acc_torch),
         first.new_empty((n, *lead), dtype=acc_torch),
     )
     if m == 0:
         return outputs
-    # [Q, ...] views of the per-site tensors, sliced per site group below.
-    out, lse, logits = outputs[0].view(q, m, dim), outputs[1].view(q, m), outputs[2].view(q, n, m)
-    rinv = outputs[3]
-    offsets = _int64_table(_offsets(rows), first.device)
-    strides = _int64_table([r.stride(0) for r in rows], first.device)
+    layout = _slot_layout(sources)
+    rows = layout.arrange([_rows(s, dim) for s in sources])
+    # [Q, ...] views of the per-site tensors, sliced per site group below; logits and rinv
+    # are written in slot order, into the outputs when that is the sources' own order.
+    out, lse = outputs[0].view(q, m, dim), outputs[1].view(q, m)
+    logits, rinv = outputs[2].view(q, n, m), outputs[3].view(n, m)
+    if layout.order is not None:
+        logits, rinv = torch.empty_like(logits), torch.empty_like(rinv)
+    table = _int64_table(_slot_offsets(rows, layout.bounds) + [r.stride(0) for r in rows], first.device)
+    bases = _slot_bases(rows, layout.bounds, acc_torch)
     has_prefix = prefix_out is not None
     if has_prefix:
         prefix_out, prefix_lse = prefix_out.reshape(q, m, dim).contiguous(), prefix_lse.reshape(q, m).contiguous()
     for q0, q1 in _site_groups(q, cfg.block_q):
         depth_attn_fwd_kernel[(m,)](
-            rows[0],
-            offsets,
-            strides,
-            n,
+            bases,
+            table[:n],
+            table[n:],
+            layout.bounds,
             u[q0:q1],
             prefix_out[q0:q1] if has_prefix else None,
             prefix_lse[q0:q1] if has_prefix else None,
@@ -265,9 +314,13 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
             BLOCK_Q=cfg.block_q,
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
-            ALIGN=_alignment(rows),
+            ALIGNED=_aligned(rows),
             **cfg.launch_options(),
         )
+    if layout.order is not None:  # back to the sources' order
+        order = _order_index(layout, first.device)
+        outputs[2].view(q, n, m).index_copy_(1, order, logits)
+        outputs[3].view(n, m).index_copy_(0, order, rinv)
     return outputs
 
 
@@ -292,23 +345,21 @@ def depth_attn_bwd(
 ):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     first = sources[0]
-    dim = first.shape[-1]
-    rows = [_rows(s, dim) for s in sources]
-    acc_torch, acc_tl = _acc_dtypes(first.dtype)
+    out_dtype = promoted_dtype([*sources, prefix_out])
+    acc_torch, _ = _acc_dtypes(out_dtype)
     u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
-    m, q = rows[0].shape[0], u.shape[0]
-    cfg = kernel_config(dim, q, first.dtype)
-    # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides.
-    grad_sources = [first.new_empty(s.shape) for s in sources]
+    # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides,
+    # each in its source's dtype.
+    grad_sources = [s.new_empty(s.shape) for s in sources]
     grad_u = u.new_zeros(u.shape)
     has_prefix, has_norm = prefix_out is not None, out_norm_weight is not None
     grad_prefix_out = prefix_out.new_zeros(prefix_out.shape) if has_prefix else first.new_empty((0,))
     grad_prefix_lse = prefix_lse.new_zeros(prefix_lse.shape) if has_prefix else u.new_empty((0,))
     grad_g = u.new_zeros(u.shape) if has_norm else None
-    if m > 0:
+    if first.numel() > 0:
         _depth_attn_bwd_launch(
-            grad_out, grad_lse, grad_logits, rows, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
-            grad_u, grad_prefix_out, grad_prefix_lse, grad_g, cfg, acc_torch, acc_tl,
+            grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
+            grad_u, grad_prefix_out, grad_prefix_lse, grad_g, out_dtype,
         )  # fmt: skip
     else:
         for gs in grad_sources:
@@ -323,22 +374,33 @@ def depth_attn_bwd(
 
 
 def _depth_attn_bwd_launch(
-    grad_out, grad_lse, grad_logits, rows, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
-    grad_u, grad_prefix_out, grad_prefix_lse, grad_g, cfg, acc_torch, acc_tl,
+    grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
+    grad_u, grad_prefix_out, grad_prefix_lse, grad_g, out_dtype,
 ):  # fmt: skip
     """The backward kernel launches over site groups; ``grad_*`` are written in place."""
-    first, dim = rows[0], rows[0].shape[1]
-    m, n, q = first.shape[0], len(rows), u.shape[0]
+    first, dim = sources[0], sources[0].shape[-1]
+    acc_torch, acc_tl = _acc_dtypes(out_dtype)
+    layout = _slot_layout(sources)
+    rows = layout.arrange([_rows(s, dim) for s in sources])
+    grad_rows = layout.arrange([gs.view(-1, dim) for gs in grad_sources])
+    m, n, q = rows[0].shape[0], len(rows), u.shape[0]
+    cfg = kernel_config(dim, q, out_dtype)
     has_prefix, has_norm = prefix_out is not None, g is not None
-    grad_rows = [gs.view(m, dim) for gs in grad_sources]
-    offsets = _int64_table(_offsets(rows), first.device)
-    strides = _int64_table([r.stride(0) for r in rows], first.device)
-    grad_offsets = _int64_table(_offsets(grad_rows), first.device)
-    align = min(_alignment(rows), _alignment(grad_rows))
+    table = _int64_table(
+        _slot_offsets(rows, layout.bounds) + [r.stride(0) for r in rows] + _slot_offsets(grad_rows, layout.bounds),
+        first.device,
+    )
+    bases, grad_bases = _slot_bases(rows, layout.bounds, acc_torch), _slot_bases(grad_rows, layout.bounds, acc_torch)
     dy = grad_out.reshape(q, m, dim).contiguous()
-    logits, rinv = logits.reshape(q, n, m).contiguous(), rinv.contiguous()
+    logits, rinv = logits.reshape(q, n, m), rinv.reshape(n, m)
+    dlogits = grad_logits.reshape(q, n, m) if grad_logits is not None else None
+    if layout.order is not None:  # the per-source scalars in slot order, like the sources
+        order = _order_index(layout, first.device)
+        logits, rinv = logits.index_select(1, order), rinv.index_select(0, order)
+        dlogits = dlogits.index_select(1, order) if dlogits is not None else None
+    logits, rinv = logits.contiguous(), rinv.contiguous()
+    dlogits = dlogits.contiguous() if dlogits is not None else None
     dlse = grad_lse.reshape(q, m).contiguous() if grad_lse is not None else None
-    dlogits = grad_logits.reshape(q, n, m).contiguous() if grad_logits is not None else None
     if has_prefix:
         prefix_out, prefix_lse = prefix_out.reshape(q, m, dim).contiguous(), prefix_lse.reshape(q, m).contiguous()
         grad_prefix_out, grad_prefix_lse = grad_prefix_out.view(q, m, dim), grad_prefix_lse.view(q, m)
@@ -348,12 +410,12 @@ def _depth_attn_bwd_launch(
         du_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch)
         dg_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch) if has_norm else None
         depth_attn_bwd_kernel[(n_programs,)](
-            rows[0],
-            offsets,
-            strides,
-            grad_rows[0],
-            grad_offsets,
-            n,
+            bases,
+            table[:n],
+            table[n : 2 * n],
+            grad_bases,
+            table[2 * n :],
+            layout.bounds,
             dy[q0:q1],
             u[q0:q1],
             g[q0:q1] if has_norm else None,
@@ -381,7 +443,7 @@ def _depth_attn_bwd_launch(
             BLOCK_Q=cfg.block_q,
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
-            ALIGN=align,
+            ALIGNED=_aligned(rows) and _aligned(grad_rows),
             **cfg.launch_options(),
         )
         _column_sum(du_part, grad_u[q0:q1])

@@ -3,15 +3,22 @@
 //
 // Work is split over rows (the flattened leading dims) with at::parallel_for;
 // all arithmetic on a row is vectorized over D with at::vec in the
-// accumulation type (float, or double for double inputs). Half/bfloat16 rows
-// are converted to float in a per-thread buffer once per read.
+// accumulation type acc_t (float, or double when the output dtype is fp64).
+//
+// Dtypes (DESIGN.md §2.5): the kernels are templates over acc_t. Every operand
+// (each source, the prefix, the incoming gradient) is read in its own dtype one
+// row at a time (load_row: rows already in acc_t are used in place, others are
+// converted into a per-thread row buffer) and every output is written in its
+// own dtype (store_row), so sources of mixed dtypes need no cast copies and one
+// instantiation per accumulation type serves all mixes. The forward has two
+// more, for sources that are all bf16 or all fp16: those convert in registers
+// as they compute instead of through a row buffer.
 //
 // Determinism: every per-row result depends only on that row. The reductions
 // over rows (grad of query_key and of the out-norm weight) write one double
 // partial per fixed chunk of rows (the chunking depends on M only, not on the
 // thread count) and the partials are summed in chunk order.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -21,7 +28,9 @@
 #include <immintrin.h>
 #endif
 
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -46,51 +55,111 @@ namespace {
 
 using at::vec::Vectorized;
 
-// ---------------------------------------------------------------- row helpers
+// ---------------------------------------------------------------- operands in their own dtype
 
-// Returns the row as acc_t: the row itself when scalar_t == acc_t, otherwise
-// converted into `buf`.
-template <typename scalar_t, typename acc_t>
-inline const acc_t* row_as_acc(const scalar_t* row, acc_t* buf, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+// The rows of one [M', D] operand: row p starts p * row_bytes bytes after data.
+struct InRows {
+  const char* data = nullptr;
+  int64_t row_bytes = 0;
+  at::ScalarType dtype = at::kFloat;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+struct OutRows {
+  char* data = nullptr;
+  int64_t row_bytes = 0;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// Rows of a tensor whose rows are `row_stride` elements apart (D for a contiguous one).
+InRows in_rows(const at::Tensor& t, int64_t row_stride) {
+  return {static_cast<const char*>(t.const_data_ptr()), row_stride * static_cast<int64_t>(t.element_size()),
+          t.scalar_type()};
+}
+
+OutRows out_rows(at::Tensor& t, int64_t row_stride) {
+  return {static_cast<char*>(t.mutable_data_ptr()), row_stride * static_cast<int64_t>(t.element_size()),
+          t.scalar_type()};
+}
+
+template <typename T>
+constexpr bool is_reduced_float = std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>;
+
+// `row` as acc_t: the row itself when src_t == acc_t, otherwise converted into `buf`.
+template <typename src_t, typename acc_t>
+inline const acc_t* row_as_acc(const src_t* row, acc_t* buf, int64_t n) {
+  if constexpr (std::is_same_v<src_t, acc_t>) {
     return row;
-  } else {
-    using bVec = Vectorized<scalar_t>;
+  } else if constexpr (std::is_same_v<acc_t, float> && is_reduced_float<src_t>) {
+    using bVec = Vectorized<src_t>;
     using fVec = Vectorized<float>;
     int64_t d = 0;
     for (; d + bVec::size() <= n; d += bVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(bVec::loadu(row + d));
+      auto [lo, hi] = at::vec::convert_to_float<src_t>(bVec::loadu(row + d));
       lo.store(buf + d);
       hi.store(buf + d + fVec::size());
     }
     for (; d < n; ++d) buf[d] = static_cast<float>(row[d]);
     return buf;
+  } else {  // into a double kernel (mixed with fp64); double into a float kernel cannot occur
+    for (int64_t d = 0; d < n; ++d) buf[d] = static_cast<acc_t>(row[d]);
+    return buf;
   }
 }
 
-// Copies floats with non-temporal stores where the vector ISA has them: the
+// Row p of `x` as acc_t (in place or converted into `buf`).
+template <typename acc_t>
+inline const acc_t* load_row(const InRows& x, int64_t p, acc_t* buf, int64_t n) {
+  const char* row = x.data + p * x.row_bytes;
+  switch (x.dtype) {
+    case at::kFloat:
+      return row_as_acc(reinterpret_cast<const float*>(row), buf, n);
+    case at::kDouble:
+      return row_as_acc(reinterpret_cast<const double*>(row), buf, n);
+    case at::kBFloat16:
+      return row_as_acc(reinterpret_cast<const at::BFloat16*>(row), buf, n);
+    default:
+      return row_as_acc(reinterpret_cast<const at::Half*>(row), buf, n);
+  }
+}
+
+// Asks for row p of `x`, to be read soon. Each source row is its own stream
+// (for D = 1024 fp32 exactly one 4 KiB page), and hardware prefetchers stop at
+// page boundaries, so the forward requests the next row of every source
+// explicitly. (In the backward, measured, it evicted the rows pass 2 re-reads.)
+inline void prefetch_row(const InRows& x, int64_t p, int64_t n) {
+  const char* row = x.data + p * x.row_bytes;
+  const int64_t bytes = n * static_cast<int64_t>(c10::elementSize(x.dtype));
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+}
+
+// Copies bytes with non-temporal stores where the vector ISA has them: large
 // outputs are written once and not read back soon, and streaming them skips
 // the read-for-ownership of every destination line (for the backward, whose
 // N source gradients are most of its traffic, that is a third fewer bytes).
-inline void stream_floats(const float* src, float* dst, int64_t n) {
+inline void stream_bytes(const void* src_ptr, void* dst_ptr, int64_t n) {
+  const char* src = static_cast<const char*>(src_ptr);
+  char* dst = static_cast<char*>(dst_ptr);
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #if defined(CPU_CAPABILITY_AVX512)
-  constexpr int64_t W = 16;
+  constexpr int64_t W = 64;
 #else
-  constexpr int64_t W = 8;
+  constexpr int64_t W = 32;
 #endif
-  int64_t d = 0;
-  for (; d < n && reinterpret_cast<uintptr_t>(dst + d) % (W * sizeof(float)) != 0; ++d) dst[d] = src[d];
-  for (; d + W <= n; d += W) {
+  const int64_t head = std::min<int64_t>(n, (W - static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % W)) % W);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + W <= n; i += W) {
 #if defined(CPU_CAPABILITY_AVX512)
-    _mm512_stream_ps(dst + d, _mm512_loadu_ps(src + d));
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), _mm512_loadu_si512(src + i));
 #else
-    _mm256_stream_ps(dst + d, _mm256_loadu_ps(src + d));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
 #endif
   }
-  for (; d < n; ++d) dst[d] = src[d];
+  std::memcpy(dst + i, src + i, n - i);
 #else
-  std::copy(src, src + n, dst);
+  std::memcpy(dst, src, n);
 #endif
 }
 
@@ -101,16 +170,48 @@ inline void fence_streaming_stores() {
 #endif
 }
 
-template <typename scalar_t, typename acc_t>
-inline void store_row(const acc_t* src, scalar_t* dst, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    stream_floats(src, dst, n);
-  } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    std::copy(src, src + n, dst);
+// Outputs at least this large are written with non-temporal stores; smaller
+// ones stay in cache for the op that reads them next.
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+
+template <typename acc_t, typename dst_t>
+inline void store_as(const acc_t* src, char* dst, int64_t n, bool stream, acc_t* tmp) {
+  const void* bytes = src;
+  if constexpr (!std::is_same_v<acc_t, dst_t>) {
+    dst_t* converted = stream ? reinterpret_cast<dst_t*>(tmp) : reinterpret_cast<dst_t*>(dst);
+    if constexpr (std::is_same_v<acc_t, double> || (std::is_same_v<acc_t, float> && is_reduced_float<dst_t>)) {
+      at::vec::convert(src, converted, n);
+    } else {  // float into double cannot occur (a double output implies a double kernel)
+      for (int64_t d = 0; d < n; ++d) converted[d] = static_cast<dst_t>(src[d]);
+    }
+    if (!stream) return;
+    bytes = tmp;
+  }
+  if (stream) {
+    stream_bytes(bytes, dst, n * static_cast<int64_t>(sizeof(dst_t)));
   } else {
-    at::vec::convert(src, dst, n);
+    std::memcpy(dst, bytes, n * sizeof(dst_t));
   }
 }
+
+// Writes the acc_t row `src` as row p of `x` in x's dtype. `tmp` (n acc_t) holds
+// the converted row when it is streamed.
+template <typename acc_t>
+inline void store_row(const acc_t* src, const OutRows& x, int64_t p, int64_t n, bool stream, acc_t* tmp) {
+  char* row = x.data + p * x.row_bytes;
+  switch (x.dtype) {
+    case at::kFloat:
+      return store_as<acc_t, float>(src, row, n, stream, tmp);
+    case at::kDouble:
+      return store_as<acc_t, double>(src, row, n, stream, tmp);
+    case at::kBFloat16:
+      return store_as<acc_t, at::BFloat16>(src, row, n, stream, tmp);
+    default:
+      return store_as<acc_t, at::Half>(src, row, n, stream, tmp);
+  }
+}
+
+// ---------------------------------------------------------------- row arithmetic
 
 // <a, b> with two vector accumulators (halves the FMA dependency chain).
 template <typename T>
@@ -127,18 +228,6 @@ inline T dot(const T* a, const T* b, int64_t n) {
   T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
-}
-
-// y = y * a + b * x
-template <typename T>
-inline void scale_add(T* y, T a, T b, const T* x, int64_t n) {
-  using Vec = Vectorized<T>;
-  const Vec va(a), vb(b);
-  int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) {
-    at::vec::fmadd(vb, Vec::loadu(x + d), Vec::loadu(y + d) * va).store(y + d);
-  }
-  for (; d < n; ++d) y[d] = y[d] * a + b * x[d];
 }
 
 // y += b * x
@@ -182,14 +271,38 @@ inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* d
   return dot(x, x, n);
 }
 
-// Asks for a row that will be read soon. Each source row is its own stream
-// (for D = 1024 fp32 exactly one 4 KiB page), and hardware prefetchers stop at
-// page boundaries, so the forward requests the next row of every source
-// explicitly. (In the backward, measured, it evicted the rows pass 2 re-reads.)
+// The same for a bf16/fp16 row, accumulated in float: converted in registers
+// for one site; for several, converted into `buf` (n floats) first.
+template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
+inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t n, float* dots, float* buf) {
+  if (q_count != 1) return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
+  using bVec = Vectorized<T>;
+  using fVec = Vectorized<float>;
+  constexpr int64_t B = bVec::size(), W = fVec::size();
+  fVec ss0(0.f), ss1(0.f), dt0(0.f), dt1(0.f);
+  int64_t d = 0;
+  for (; d + B <= n; d += B) {
+    auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(x + d));
+    ss0 = at::vec::fmadd(x0, x0, ss0);
+    ss1 = at::vec::fmadd(x1, x1, ss1);
+    dt0 = at::vec::fmadd(x0, fVec::loadu(u + d), dt0);
+    dt1 = at::vec::fmadd(x1, fVec::loadu(u + d + W), dt1);
+  }
+  auto add = [](fVec& a, fVec& b) { return a + b; };
+  float ss = at::vec::vec_reduce_all<float>(add, ss0 + ss1);
+  float dt = at::vec::vec_reduce_all<float>(add, dt0 + dt1);
+  for (; d < n; ++d) {
+    const float xd = static_cast<float>(x[d]);
+    ss += xd * xd;
+    dt += xd * u[d];
+  }
+  dots[0] = dt;
+  return ss;
+}
+
 template <typename T>
-inline void prefetch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 3);
+inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots, T* /*buf*/) {
+  return sumsq_and_dots(x, u, q_count, n, dots);
 }
 
 // dst += a * x * y, accumulated in double (the row reductions sum thousands of
@@ -207,11 +320,13 @@ inline void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
 }
 
 // α_i = softmax(logits)_i for one row (logits i at s[i * stride]), the prefix
-// logit lse_a included when given (its weight goes to *alpha_a). Recomputed
-// from the saved logits as exp(s - max) / Σ rather than exp(s - lse): the
-// rounding of lse to the accumulation type would cost |lse| ulps in every α.
+// logit lse_a included when given (its weight goes to *alpha_a); returns the
+// log-sum-exp of the logits. Computed as exp(s - max) / Σ, in the forward and
+// (from the saved logits) in the backward alike, rather than as exp(s - lse):
+// the rounding of lse to the accumulation type would cost |lse| ulps in every α.
+// A NaN logit makes every weight NaN, as in the reference softmax.
 template <typename T>
-inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, T* alpha, T* alpha_a) {
+inline T softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, T* alpha, T* alpha_a) {
   T top = lse_a != nullptr ? *lse_a : -std::numeric_limits<T>::infinity();
   for (int64_t i = 0; i < n; ++i) {
     const T x = s[i * stride];
@@ -222,164 +337,307 @@ inline void softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_
   const T inv = T(1) / sum;
   for (int64_t i = 0; i < n; ++i) alpha[i] *= inv;
   *alpha_a = lse_a != nullptr ? std::exp(*lse_a - top) * inv : T(0);
+  return top + std::log(sum);
+}
+
+// h = Σ_i a_i x_i, plus b y when y is given: each vector of h is summed in a
+// register over the n rows and stored once (4 vectors per pass over the row
+// pointers, so each pointer and weight is loaded once per 4 vectors).
+template <typename T>
+inline void weighted_sum(const T* const* x, const T* a, int64_t n, const T* y, T b, int64_t dim, T* h) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  int64_t d = 0;
+  for (; d + 4 * W <= dim; d += 4 * W) {
+    Vec h0(T(0)), h1(T(0)), h2(T(0)), h3(T(0));
+    if (y != nullptr) {
+      const Vec vb(b);
+      h0 = Vec::loadu(y + d) * vb;
+      h1 = Vec::loadu(y + d + W) * vb;
+      h2 = Vec::loadu(y + d + 2 * W) * vb;
+      h3 = Vec::loadu(y + d + 3 * W) * vb;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* xi = x[i] + d;
+      const Vec ai(a[i]);
+      h0 = at::vec::fmadd(ai, Vec::loadu(xi), h0);
+      h1 = at::vec::fmadd(ai, Vec::loadu(xi + W), h1);
+      h2 = at::vec::fmadd(ai, Vec::loadu(xi + 2 * W), h2);
+      h3 = at::vec::fmadd(ai, Vec::loadu(xi + 3 * W), h3);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+    h2.store(h + d + 2 * W);
+    h3.store(h + d + 3 * W);
+  }
+  for (; d + W <= dim; d += W) {
+    Vec acc = y != nullptr ? Vec::loadu(y + d) * Vec(b) : Vec(T(0));
+    for (int64_t i = 0; i < n; ++i) acc = at::vec::fmadd(Vec(a[i]), Vec::loadu(x[i] + d), acc);
+    acc.store(h + d);
+  }
+  for (; d < dim; ++d) {
+    T acc = y != nullptr ? y[d] * b : T(0);
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * x[i][d];
+    h[d] = acc;
+  }
+}
+
+// weighted_sum over bf16/fp16 rows, converted to float in registers (2 x 32
+// elements per pass over the row pointers).
+template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
+inline void weighted_sum(const T* const* x, const float* a, int64_t n, const float* y, float b, int64_t dim, float* h) {
+  using bVec = Vectorized<T>;
+  using fVec = Vectorized<float>;
+  constexpr int64_t B = bVec::size(), W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * B <= dim; d += 2 * B) {
+    fVec h0(0.f), h1(0.f), h2(0.f), h3(0.f);
+    if (y != nullptr) {
+      const fVec vb(b);
+      h0 = fVec::loadu(y + d) * vb;
+      h1 = fVec::loadu(y + d + W) * vb;
+      h2 = fVec::loadu(y + d + 2 * W) * vb;
+      h3 = fVec::loadu(y + d + 3 * W) * vb;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const T* xi = x[i] + d;
+      const fVec ai(a[i]);
+      auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(xi));
+      auto [x2, x3] = at::vec::convert_to_float<T>(bVec::loadu(xi + B));
+      h0 = at::vec::fmadd(ai, x0, h0);
+      h1 = at::vec::fmadd(ai, x1, h1);
+      h2 = at::vec::fmadd(ai, x2, h2);
+      h3 = at::vec::fmadd(ai, x3, h3);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+    h2.store(h + d + 2 * W);
+    h3.store(h + d + 3 * W);
+  }
+  for (; d + B <= dim; d += B) {
+    fVec h0 = y != nullptr ? fVec::loadu(y + d) * fVec(b) : fVec(0.f);
+    fVec h1 = y != nullptr ? fVec::loadu(y + d + W) * fVec(b) : fVec(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(x[i] + d));
+      h0 = at::vec::fmadd(fVec(a[i]), x0, h0);
+      h1 = at::vec::fmadd(fVec(a[i]), x1, h1);
+    }
+    h0.store(h + d);
+    h1.store(h + d + W);
+  }
+  for (; d < dim; ++d) {
+    float acc = y != nullptr ? y[d] * b : 0.f;
+    for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(x[i][d]);
+    h[d] = acc;
+  }
 }
 
 // Fixed partition of M rows for the row reductions: depends on M only.
 inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
 
+// Parallel work is cut into blocks of at least kBlockWork multiply-adds, and a
+// thread is started only for at least kMinTaskWork of them: below that, waking
+// a second thread costs more than the work it takes over, so small reads run on
+// one thread.
+constexpr int64_t kBlockWork = int64_t(1) << 15;
+constexpr int64_t kMinTaskWork = int64_t(1) << 18;
+
+// Units (rows) per block, for units of `work_per_unit` multiply-adds.
+inline int64_t block_units(int64_t work_per_unit) {
+  return std::max<int64_t>(1, kBlockWork / std::max<int64_t>(1, work_per_unit));
+}
+
+// Hands out blocks 0 .. count-1 one at a time to the threads of a parallel
+// region: each thread of at::parallel_for ignores the range it was given and
+// takes blocks until none is left. On a busy machine a thread that gets less
+// CPU time then takes fewer blocks, instead of every call waiting for an even
+// share to finish on it. (Results do not depend on which thread runs a block.)
+class BlockQueue {
+ public:
+  explicit BlockQueue(int64_t count) : count_(count) {}
+  bool next(int64_t& block) {
+    block = next_.fetch_add(1, std::memory_order_relaxed);
+    return block < count_;
+  }
+  // The at::parallel_for grain: blocks per thread started.
+  static int64_t grain(int64_t work_per_block) {
+    return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_block));
+  }
+
+ private:
+  std::atomic<int64_t> next_{0};
+  const int64_t count_;
+};
+
 // ---------------------------------------------------------------- forward
 
-template <typename scalar_t>
+// Operands of one read as row views: the sources ([M, D] each), the prefix
+// h_a ([Q*M, D], absent without a merge).
+struct ReadRows {
+  std::vector<InRows> src;
+  InRows h_a;
+};
+
+ReadRows read_rows(const SourceRows& in, const at::Tensor& h_a) {
+  ReadRows r;
+  r.src.reserve(in.rows.size());
+  for (const auto& s : in.rows) r.src.push_back(in_rows(s, s.stride(0)));
+  if (h_a.defined()) r.h_a = in_rows(h_a, in.dim);
+  return r;
+}
+
+// Row slots for the sources that are not stored in T: each gets D elements of a
+// row buffer, where load_row converts its current row; rows in T need none.
+struct RowSlots {
+  std::vector<int64_t> offset;  // per source: offset into buf, or -1
+  int64_t size = 0;
+};
+
+template <typename T>
+RowSlots row_slots(const std::vector<InRows>& src, int64_t dim) {
+  RowSlots slots;
+  for (const auto& s : src) {
+    const bool in_place = s.dtype == c10::CppTypeToScalarType<T>::value;
+    slots.offset.push_back(in_place ? -1 : slots.size);
+    slots.size += in_place ? 0 : dim;
+  }
+  return slots;
+}
+
+// Forward, one row at a time. Pass A reads each source row once from memory:
+// its key-norm scale r_i and its Q logits. Then the softmax weights, and pass B
+// forms h_q = Σ_i α_qi v_i (+ α_qa h_a for a merge) from the rows, now in
+// cache, in registers (weighted_sum), applies the fused output norm and writes
+// it. src_t is the sources' dtype when they all share a reduced one (bf16,
+// fp16: both passes convert in registers); otherwise src_t = acc_t and each row
+// not stored in acc_t is converted once into its slot.
+template <typename acc_t, typename src_t>
 void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
                          at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
   const acc_t eps = static_cast<acc_t>(eps_d);
-  std::vector<const scalar_t*> src(N);
-  std::vector<int64_t> stride(N);
-  for (int64_t i = 0; i < N; ++i) {
-    src[i] = in.rows[i].const_data_ptr<scalar_t>();
-    stride[i] = in.rows[i].stride(0);
-  }
+  const ReadRows rows = read_rows(in, h_a_t);
+  const RowSlots slots = row_slots<src_t>(rows.src, D);
+  const OutRows out = out_rows(out_t, D);
+  const bool stream = out_t.nbytes() >= kStreamBytes;
   const acc_t* u = u_t.const_data_ptr<acc_t>();
-  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
   const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
-  scalar_t* out = out_t.mutable_data_ptr<scalar_t>();
   acc_t* lse = lse_t.mutable_data_ptr<acc_t>();
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, N * D));
-  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> acc(Q * D), vbuf(D), dots(Q), mx(Q), denom(Q);
-    for (int64_t p = begin; p < end; ++p) {
-      // Online softmax state per site: running max `mx`, sum `denom`, and
-      // `acc` = Σ e^{s - mx} v. A prefix read enters as one source whose
-      // logit is lse_a and whose value is h_a (its weights already sum to 1).
-      for (int64_t q = 0; q < Q; ++q) {
-        acc_t* aq = acc.data() + q * D;
-        if (h_a != nullptr) {
-          const acc_t* row = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
-          std::copy(row, row + D, aq);
-          mx[q] = lse_a[q * M + p];
-          denom[q] = acc_t(1);
-        } else {
-          std::fill(aq, aq + D, acc_t(0));
-          mx[q] = -std::numeric_limits<acc_t>::infinity();
-          denom[q] = acc_t(0);
-        }
-      }
-      for (int64_t i = 0; i < N; ++i) {
-        if (p + 1 < end) prefetch_row(src[i] + (p + 1) * stride[i], D);
-        const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
-        const acc_t ss = sumsq_and_dots(v, u, Q, D, dots.data());
-        const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
-        rinv[i * M + p] = r;
-        for (int64_t q = 0; q < Q; ++q) {
-          const acc_t s = r * dots[q];
-          logits[(q * N + i) * M + p] = s;
-          acc_t* aq = acc.data() + q * D;
-          if (s > mx[q] || std::isnan(s)) {  // new max (NaN propagates like the reference softmax)
-            const acc_t rescale = std::exp(mx[q] - s);
-            mx[q] = s;
-            denom[q] = denom[q] * rescale + acc_t(1);
-            scale_add(aq, rescale, acc_t(1), v, D);
+  const int64_t row_work = (N + 1) * Q * D;
+  const int64_t block = block_units(row_work), num_blocks = (M + block - 1) / block;
+  BlockQueue blocks(num_blocks);
+  at::parallel_for(0, num_blocks, BlockQueue::grain(block * row_work), [&](int64_t, int64_t) {
+    std::vector<src_t> rowbuf(slots.size);
+    std::vector<acc_t> h(D), habuf(D), vbuf(D), tmp(D), dots(Q), s(Q * N), alpha(Q * N);
+    std::vector<const src_t*> v(N);
+    for (int64_t b; blocks.next(b);)
+      for (int64_t p = b * block; p < std::min(M, (b + 1) * block); ++p) {
+        for (int64_t i = 0; i < N; ++i) {
+          if (p + 1 < M) prefetch_row(rows.src[i], p + 1, D);
+          if constexpr (std::is_same_v<src_t, acc_t>) {
+            v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
           } else {
-            const acc_t w = std::exp(s - mx[q]);
-            denom[q] += w;
-            axpy(aq, w, v, D);
+            v[i] = reinterpret_cast<const src_t*>(rows.src[i].data + p * rows.src[i].row_bytes);
           }
+          const acc_t ss = sumsq_and_dots(v[i], u, Q, D, dots.data(), vbuf.data());
+          const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
+          rinv[i * M + p] = r;
+          for (int64_t q = 0; q < Q; ++q) s[q * N + i] = logits[(q * N + i) * M + p] = r * dots[q];
+        }
+        for (int64_t q = 0; q < Q; ++q) {
+          acc_t alpha_a;
+          const acc_t* lse_a_q = lse_a != nullptr ? lse_a + q * M + p : nullptr;
+          lse[q * M + p] = softmax_weights(s.data() + q * N, 1, N, lse_a_q, alpha.data() + q * N, &alpha_a);
+          const acc_t* ha = rows.h_a ? load_row(rows.h_a, q * M + p, habuf.data(), D) : nullptr;
+          weighted_sum(v.data(), alpha.data() + q * N, N, ha, alpha_a, D, h.data());
+          if (g != nullptr) {
+            const acc_t rstd = acc_t(1) / std::sqrt(dot(h.data(), h.data(), D) / static_cast<acc_t>(D) + eps);
+            at::vec::map2<acc_t>([rstd](auto x, auto w) { return x * w * decltype(x)(rstd); }, h.data(), h.data(),
+                                 g + q * D, D);
+          }
+          store_row(h.data(), out, q * M + p, D, stream, tmp.data());
         }
       }
-      for (int64_t q = 0; q < Q; ++q) {
-        acc_t* aq = acc.data() + q * D;
-        lse[q * M + p] = mx[q] + std::log(denom[q]);
-        acc_t scale = acc_t(1) / denom[q];
-        if (g != nullptr) {
-          const acc_t mean_sq = dot(aq, aq, D) * scale * scale / static_cast<acc_t>(D);
-          scale *= acc_t(1) / std::sqrt(mean_sq + eps);
-          at::vec::map2<acc_t>([scale](auto a, auto w) { return a * w * decltype(a)(scale); }, aq, aq, g + q * D, D);
-        } else {
-          at::vec::map<acc_t>([scale](auto a) { return a * decltype(a)(scale); }, aq, aq, D);
-        }
-        store_row<scalar_t, acc_t>(aq, out + (q * M + p) * D, D);
-      }
-    }
-    fence_streaming_stores();
+    if (stream) fence_streaming_stores();
   });
 }
 
 // ---------------------------------------------------------------- backward
 
-template <typename scalar_t>
+template <typename acc_t>
 void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
                          const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t,
                          const at::Tensor& rinv_t, double eps_d, std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t,
                          at::Tensor& dh_a_t, at::Tensor& dlse_a_t, at::Tensor& dg_t) {
-  using acc_t = at::opmath_type<scalar_t>;
   using Vec = Vectorized<acc_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
   const acc_t eps = static_cast<acc_t>(eps_d);
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
-  std::vector<const scalar_t*> src(N);
-  std::vector<int64_t> stride(N);
-  std::vector<scalar_t*> dsrc(N);
+  const ReadRows rows = read_rows(in, h_a_t);
+  const RowSlots slots = row_slots<acc_t>(rows.src, D);
+  const bool has_prefix = static_cast<bool>(rows.h_a);
+  std::vector<OutRows> dsrc(N);
+  int64_t grad_bytes = 0;
   for (int64_t i = 0; i < N; ++i) {
-    src[i] = in.rows[i].const_data_ptr<scalar_t>();
-    stride[i] = in.rows[i].stride(0);
-    dsrc[i] = dsrc_t[i].mutable_data_ptr<scalar_t>();
+    dsrc[i] = out_rows(dsrc_t[i], D);
+    grad_bytes += dsrc_t[i].nbytes();
   }
-  const scalar_t* dy = dy_t.const_data_ptr<scalar_t>();
+  const bool stream = grad_bytes >= kStreamBytes;
+  const InRows dy = in_rows(dy_t, D);
+  const OutRows dh_a = has_prefix ? out_rows(dh_a_t, D) : OutRows{};
   const acc_t* dlse = dlse_t.defined() ? dlse_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* dlogits = dlogits_t.defined() ? dlogits_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* u = u_t.const_data_ptr<acc_t>();
-  const scalar_t* h_a = h_a_t.defined() ? h_a_t.const_data_ptr<scalar_t>() : nullptr;
-  const acc_t* lse_a = lse_a_t.defined() ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
+  const acc_t* lse_a = has_prefix ? lse_a_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* g = g_t.defined() ? g_t.const_data_ptr<acc_t>() : nullptr;
   const acc_t* logits = logits_t.const_data_ptr<acc_t>();
   const acc_t* rinv = rinv_t.const_data_ptr<acc_t>();
-  scalar_t* dh_a = h_a != nullptr ? dh_a_t.mutable_data_ptr<scalar_t>() : nullptr;
-  acc_t* dlse_a = h_a != nullptr ? dlse_a_t.mutable_data_ptr<acc_t>() : nullptr;
+  acc_t* dlse_a = has_prefix ? dlse_a_t.mutable_data_ptr<acc_t>() : nullptr;
 
   // Stage 1 writes one [Q, D] double partial of du (and of dg) per chunk of rows.
   const int64_t chunk = rows_per_chunk(M);
   const int64_t num_chunks = (M + chunk - 1) / chunk;
   const auto part_opts = u_t.options().dtype(at::kDouble);
-  at::Tensor du_part = at::zeros({num_chunks, Q, D}, part_opts);
-  at::Tensor dg_part = g != nullptr ? at::zeros({num_chunks, Q, D}, part_opts) : at::Tensor();
+  at::Tensor du_part = at::empty({num_chunks, Q, D}, part_opts);
+  at::Tensor dg_part = g != nullptr ? at::empty({num_chunks, Q, D}, part_opts) : at::Tensor();
   double* du_parts = du_part.mutable_data_ptr<double>();
   double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
 
-  at::parallel_for(0, num_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
-    // do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf: recomputed h_q
-    // (out-norm only); alpha/dp: softmax weights and <do_q, v_i> of the row.
-    std::vector<acc_t> do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D);
-    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q);
-    for (int64_t c = c_begin; c < c_end; ++c) {
+  BlockQueue chunks(num_chunks);
+  at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
+    // v: the row of every source as acc_t (converted once per row into rowbuf
+    // when needed); do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf:
+    // recomputed h_q (out-norm only); alpha/dp: softmax weights and <do_q, v_i>.
+    std::vector<acc_t> rowbuf(slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D), tmp(D);
+    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N);
+    std::vector<const acc_t*> v(N);
+    for (int64_t c; chunks.next(c);) {
       double* du_c = du_parts + c * Q * D;
       double* dg_c = g != nullptr ? dg_parts + c * Q * D : nullptr;
+      std::fill(du_c, du_c + Q * D, 0.0);
+      if (dg_c != nullptr) std::fill(dg_c, dg_c + Q * D, 0.0);
       for (int64_t p = c * chunk; p < std::min(M, (c + 1) * chunk); ++p) {
+        for (int64_t i = 0; i < N; ++i) {
+          v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
+        }
         for (int64_t q = 0; q < Q; ++q) {
-          softmax_weights(logits + q * N * M + p, M, N, h_a != nullptr ? lse_a + q * M + p : nullptr,
-                          alpha.data() + q * N, alpha_a.data() + q);
-          const acc_t* dyq = row_as_acc<scalar_t, acc_t>(dy + (q * M + p) * D, vbuf.data(), D);
+          softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
+                          alpha_a.data() + q);
+          const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
           std::copy(dyq, dyq + D, do_.data() + q * D);
         }
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
-          std::fill(hbuf.begin(), hbuf.end(), acc_t(0));
-          for (int64_t i = 0; i < N; ++i) {
-            const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
-            for (int64_t q = 0; q < Q; ++q) axpy(hbuf.data() + q * D, alpha[q * N + i], v, D);
-          }
           for (int64_t q = 0; q < Q; ++q) {
             acc_t* hq = hbuf.data() + q * D;
-            if (h_a != nullptr) {
-              axpy(hq, alpha_a[q], row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D), D);
-            }
+            const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
+            weighted_sum(v.data(), alpha.data() + q * N, N, ha, alpha_a[q], D, hq);
             const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + eps);
             acc_t* dq = do_.data() + q * D;  // holds dy_q on entry
             accumulate_product(dg_c + q * D, rstd, dq, hq, D);
@@ -393,21 +651,20 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
         for (int64_t i = 0; i < N; ++i) {
-          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
           for (int64_t q = 0; q < Q; ++q) {
-            dp[q * N + i] = dot(do_.data() + q * D, v, D);
+            dp[q * N + i] = dot(do_.data() + q * D, v[i], D);
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
         }
-        if (h_a != nullptr) {
+        if (has_prefix) {
           for (int64_t q = 0; q < Q; ++q) {
-            const acc_t* ha = row_as_acc<scalar_t, acc_t>(h_a + (q * M + p) * D, vbuf.data(), D);
+            const acc_t* ha = load_row(rows.h_a, q * M + p, vbuf.data(), D);
             dp_a[q] = dot(do_.data() + q * D, ha, D);
             delta[q] += alpha_a[q] * dp_a[q];
           }
         }
-        // Pass 2: ds = α (dp - delta + dlse) + dlogits;
-        // dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i^2 v_i / D;  du_q += ds_qi r_i v_i.
+        // Pass 2: ds = α (dp - delta + dlse) + dlogits; c1 = ds r;
+        // dv_i = Σ_q α_qi do_q + c1_qi u_q - (Σ_q ds_qi s_qi) r_i^2 v_i / D;  du_q += Σ_i c1_qi v_i.
         for (int64_t i = 0; i < N; ++i) {
           const acc_t r = rinv[i * M + p];
           acc_t c2 = 0;
@@ -415,47 +672,51 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             const int64_t qi = q * N + i;
             acc_t ds = alpha[qi] * (dp[qi] - delta[q] + (dlse != nullptr ? dlse[q * M + p] : acc_t(0)));
             if (dlogits != nullptr) ds += dlogits[qi * M + p];
-            c1[q] = ds * r;
+            c1[qi] = ds * r;
             c2 += ds * logits[qi * M + p];
           }
           c2 *= r * r * inv_d;
-          const acc_t* v = row_as_acc<scalar_t, acc_t>(src[i] + p * stride[i], vbuf.data(), D);
+          const acc_t* vi = v[i];
           acc_t* dv_row = dvbuf.data();
           int64_t d = 0;
           for (; d + Vec::size() <= D; d += Vec::size()) {
-            const Vec vv = Vec::loadu(v + d);
+            const Vec vv = Vec::loadu(vi + d);
             Vec dv = vv * Vec(-c2);
             for (int64_t q = 0; q < Q; ++q) {
               dv = at::vec::fmadd(Vec(alpha[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
-              dv = at::vec::fmadd(Vec(c1[q]), Vec::loadu(u + q * D + d), dv);
+              dv = at::vec::fmadd(Vec(c1[q * N + i]), Vec::loadu(u + q * D + d), dv);
             }
             dv.store(dv_row + d);
           }
           for (; d < D; ++d) {
-            acc_t dv = -c2 * v[d];
-            for (int64_t q = 0; q < Q; ++q) dv += alpha[q * N + i] * do_[q * D + d] + c1[q] * u[q * D + d];
+            acc_t dv = -c2 * vi[d];
+            for (int64_t q = 0; q < Q; ++q) dv += alpha[q * N + i] * do_[q * D + d] + c1[q * N + i] * u[q * D + d];
             dv_row[d] = dv;
           }
-          for (int64_t q = 0; q < Q; ++q) accumulate_scaled(du_c + q * D, c1[q], v, D);
-          store_row<scalar_t, acc_t>(dvbuf.data(), dsrc[i] + p * D, D);
+          store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
         }
-        if (h_a != nullptr) {
+        // du_q += Σ_i c1_qi v_i: summed over the sources in registers, then added to the chunk's double partial.
+        for (int64_t q = 0; q < Q; ++q) {
+          weighted_sum(v.data(), c1.data() + q * N, N, static_cast<const acc_t*>(nullptr), acc_t(0), D, dvbuf.data());
+          accumulate_scaled(du_c + q * D, acc_t(1), dvbuf.data(), D);
+        }
+        if (has_prefix) {
           for (int64_t q = 0; q < Q; ++q) {
             const acc_t dl = dlse != nullptr ? dlse[q * M + p] : acc_t(0);
             dlse_a[q * M + p] = alpha_a[q] * (dp_a[q] - delta[q] + dl);
             at::vec::map<acc_t>([a = alpha_a[q]](auto x) { return x * decltype(x)(a); }, dvbuf.data(),
                                 do_.data() + q * D, D);
-            store_row<scalar_t, acc_t>(dvbuf.data(), dh_a + (q * M + p) * D, D);
+            store_row(dvbuf.data(), dh_a, q * M + p, D, stream, tmp.data());
           }
         }
       }
     }
-    fence_streaming_stores();
+    if (stream) fence_streaming_stores();
   });
 
   // Stage 2: sum the chunk partials column by column in chunk order.
   auto reduce_chunks = [&](const double* parts, acc_t* dst) {
-    at::parallel_for(0, Q * D, 256, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, Q * D, BlockQueue::grain(num_chunks), [&](int64_t begin, int64_t end) {
       for (int64_t j = begin; j < end; ++j) {
         double s = 0;
         for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * Q * D + j];
@@ -467,15 +728,63 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   if (g != nullptr) reduce_chunks(dg_parts, dg_t.mutable_data_ptr<acc_t>());
 }
 
-// ---------------------------------------------------------------- op entry points
-
-// The one dtype of the sources (and of the prefix); mixed dtypes are not yet
-// supported by these kernels.
-at::ScalarType single_dtype(const SourceRows& in, const at::Tensor& h_a) {
-  TORCH_CHECK(in.uniform_dtype() && (!h_a.defined() || h_a.scalar_type() == in.rows[0].scalar_type()),
-              "depth attention (cpu): sources and prefix of different dtypes are not supported yet");
-  return in.rows[0].scalar_type();
+// The gradients of query, norm_weight and out_norm_weight from du ([Q, D], the
+// gradient of u = query ⊙ norm_weight) and dg ([Q, D]), each in its parameter's
+// shape (a [D] parameter shared by Q sites gets the sum over the sites) and
+// dtype: site_param_grads (depth_attention.h) as plain loops, since at the
+// sizes of a small read its ATen ops cost more than the kernel.
+template <typename acc_t>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads_cpu(const at::Tensor& du_t, const at::Tensor& dg_t,
+                                                                    const at::Tensor& query,
+                                                                    const c10::optional<at::Tensor>& norm_weight,
+                                                                    const c10::optional<at::Tensor>& out_norm_weight) {
+  const int64_t Q = du_t.size(0), D = du_t.size(1);
+  const auto acc = du_t.scalar_type();
+  // A [D] or [Q, D] parameter as contiguous acc_t values, read at (q, j).
+  struct Values {
+    at::Tensor t;
+    const acc_t* data = nullptr;
+    int64_t site_stride = 0;
+    acc_t operator()(int64_t q, int64_t j) const { return data != nullptr ? data[q * site_stride + j] : acc_t(1); }
+  };
+  auto values = [&](const c10::optional<at::Tensor>& param) {
+    Values v;
+    if (!param.has_value()) return v;  // absent: ones
+    v.t = param->to(acc).contiguous();
+    v.data = v.t.template const_data_ptr<acc_t>();
+    v.site_stride = param->dim() == 2 ? D : 0;
+    return v;
+  };
+  auto grad = [&](const at::Tensor& param, auto value) {
+    at::Tensor out = at::empty(param.sizes(), param.options().dtype(acc));
+    acc_t* o = out.template mutable_data_ptr<acc_t>();
+    for (int64_t j = 0; j < D; ++j) {
+      if (param.dim() == 1) {
+        acc_t sum = 0;
+        for (int64_t q = 0; q < Q; ++q) sum += value(q, j);
+        o[j] = sum;
+      } else {
+        for (int64_t q = 0; q < Q; ++q) o[q * D + j] = value(q, j);
+      }
+    }
+    return out.to(param.scalar_type());
+  };
+  const acc_t* du = du_t.const_data_ptr<acc_t>();
+  const Values w = values(query), gamma = values(norm_weight);
+  const at::Tensor empty = at::empty({0}, du_t.options());
+  at::Tensor d_query = grad(query, [&](int64_t q, int64_t j) { return du[q * D + j] * gamma(q, j); });
+  at::Tensor d_norm = norm_weight.has_value()
+                          ? grad(*norm_weight, [&](int64_t q, int64_t j) { return du[q * D + j] * w(q, j); })
+                          : empty;
+  at::Tensor d_g = empty;
+  if (out_norm_weight.has_value()) {
+    const acc_t* dg = dg_t.const_data_ptr<acc_t>();
+    d_g = grad(*out_norm_weight, [&](int64_t q, int64_t j) { return dg[q * D + j]; });
+  }
+  return {d_query, d_norm, d_g};
 }
+
+// ---------------------------------------------------------------- op entry points
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
@@ -485,19 +794,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
   at::Tensor h_a, lse_a;
   check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
   const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
-  const auto dtype = single_dtype(in, h_a);
   const auto acc = in.acc_dtype;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto opts = in.rows[0].options();
   std::vector<int64_t> qn = site.q_dims;
   qn.push_back(n);
-  at::Tensor out = empty_output(shape_with(site.q_dims, in.lead_shape, {in.dim}), opts);
+  at::Tensor out = empty_output(shape_with(site.q_dims, in.lead_shape, {in.dim}), opts.dtype(in.out_dtype));
   at::Tensor lse = at::empty(shape_with(site.q_dims, in.lead_shape), opts.dtype(acc));
   at::Tensor logits = at::empty(shape_with(qn, in.lead_shape), opts.dtype(acc));
   at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_fwd_cpu", [&] {
-    depth_attn_fwd_impl<scalar_t>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
-  });
+  const auto src_dtype = in.uniform_dtype() ? in.rows[0].scalar_type() : acc;
+  if (acc == at::kDouble) {
+    depth_attn_fwd_impl<double, double>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else if (src_dtype == at::kBFloat16) {
+    depth_attn_fwd_impl<float, at::BFloat16>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else if (src_dtype == at::kHalf) {
+    depth_attn_fwd_impl<float, at::Half>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  } else {
+    depth_attn_fwd_impl<float, float>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+  }
   return {out, lse, logits, rinv};
 }
 
@@ -511,7 +826,6 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
   const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
   const int64_t n = static_cast<int64_t>(in.rows.size());
-  const auto dtype = single_dtype(in, h_a);
   const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
@@ -520,7 +834,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   };
   std::vector<int64_t> qn = site.q_dims;
   qn.push_back(n);
-  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), dtype);
+  const at::Tensor dy =
+      check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), in.out_dtype);
   const at::Tensor logits_c = check_saved(logits, "logits", shape_with(qn, in.lead_shape), acc);
   const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
   const at::Tensor dlse = grad_lse.has_value()
@@ -532,16 +847,21 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
 
   std::vector<at::Tensor> dsrc;
   dsrc.reserve(n);
-  for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), in.rows[0].options()));
+  for (int64_t i = 0; i < n; ++i) dsrc.push_back(empty_output(sources[i].sizes(), sources[i].options()));
   at::Tensor du = at::empty_like(site.u);
   at::Tensor dh_a = h_a.defined() ? empty_output(h_a.sizes(), h_a.options()) : at::empty({0}, in.rows[0].options());
   at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, site.u.options());
   at::Tensor dg = site.g.defined() ? at::empty_like(site.g) : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "depth_attn_bwd_cpu", [&] {
-    depth_attn_bwd_impl<scalar_t>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
-                                  dh_a, dlse_a, dg);
-  });
-  auto [d_query, d_norm, d_g] = site_param_grads(du, dg, query, norm_weight, out_norm_weight);
+  at::Tensor d_query, d_norm, d_g;
+  if (acc == at::kDouble) {
+    depth_attn_bwd_impl<double>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
+                                dh_a, dlse_a, dg);
+    std::tie(d_query, d_norm, d_g) = site_param_grads_cpu<double>(du, dg, query, norm_weight, out_norm_weight);
+  } else {
+    depth_attn_bwd_impl<float>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du, dh_a,
+                               dlse_a, dg);
+    std::tie(d_query, d_norm, d_g) = site_param_grads_cpu<float>(du, dg, query, norm_weight, out_norm_weight);
+  }
   return {dsrc, d_query, d_norm, dh_a, dlse_a, d_g};
 }
 

@@ -1,0 +1,792 @@
+// CPU kernels of fused attention (DESIGN.md §2.4), FlashAttention-2 style:
+//
+//   o = softmax(q kᵀ · scale + mask) v,   q [B, H, Tq, Dh],  k, v [B, Hkv, Tk, Dh],  H % Hkv == 0
+//
+// Forward: a program owns kBlockQ query rows of one head, keeps their output
+// accumulator, running max and running sum, and walks the keys in tiles of
+// kTileK (online softmax). Nothing of size T×T is ever stored; the saved lse
+// (fp32, fp64 for fp64 inputs) lets the backward recompute the probabilities.
+//
+// Backward (see "backward" below): pairs of a query tile and a key block,
+// computed with the keys on the rows (Sᵀ = K qᵀ, Pᵀ = exp(Sᵀ · scale - lse),
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ)) and consumed by dV += Pᵀ dO, dK += dSᵀ q,
+// dQᵀ += Kᵀ dSᵀ (dK, dQ times scale), with δ = rowsum(dO ⊙ O) - dlse from a first
+// row pass. No atomics: every output tile is summed by one program in a fixed
+// order, so the result does not depend on the number of threads.
+//
+// Causal masks (query i sees keys j <= i + Tk - Tq) skip every tile above the
+// diagonal: a query block stops at its last visible key, a key block starts at
+// its first query, and within a diagonal tile the GEMMs are trimmed to the rows
+// and columns some query/key of the tile can see. Key padding is an additive
+// 0 / -inf bias per key. A query row that sees no key gets output 0,
+// lse = -inf and zero gradients.
+//
+// GEMM operands are fp32 (fp64 for fp64 inputs) [rows, Dh] tiles: fp32 input
+// rows are read in place (any row stride), other dtypes are converted into
+// per-thread buffers once per tile; transposed operands are always packed.
+// Buffer widths are multiples of kAlign. The inner products go through a GEMM
+// on those tiles (see gemm() below).
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace attnres {
+namespace {
+
+template <typename T>
+using Vec = at::vec::Vectorized<T>;
+
+// Tile sizes (rows). Forward: kBlockQ query rows per program, keys in tiles of
+// kTileK. Backward: pairs of kTileQ queries and kBlockK keys (the split dQ
+// pass groups kBlockQ / kTileQ query tiles per program). Buffer widths are
+// padded to multiples of kAlign.
+constexpr int64_t kBlockQ = 256;
+constexpr int64_t kTileK = 256;
+constexpr int64_t kBlockK = 256;
+constexpr int64_t kTileQ = 64;
+constexpr int64_t kAlign = 16;
+constexpr int64_t kMaxHeadDim = 256;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// The t-th of n tiles of one head in the order 0, n-1, 1, n-2, ...: at::parallel_for
+// hands each thread a contiguous range of work items, and with causal masks the
+// cost of a tile grows with its index, so this order balances the threads.
+inline int64_t balanced_tile(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 : n - 1 - t / 2; }
+
+// ---------------------------------------------------------------- problem and inputs
+
+struct Problem {
+  int64_t batch, heads, kv_heads, group, tq, tk, dh;
+  int64_t dh_padded;  // Dh rounded up to kAlign: the row length of every packed [rows, Dh] tile
+  int64_t offset;     // Tk - Tq: query i sees keys j <= i + offset under the causal mask
+  bool causal;
+  double scale;
+
+  // Number of keys [0, n) that query row i may see (before key padding).
+  int64_t key_end(int64_t i) const { return causal ? std::clamp<int64_t>(i + offset + 1, 0, tk) : tk; }
+  // First query row that may see key j.
+  int64_t query_begin(int64_t j) const { return causal ? std::clamp<int64_t>(j - offset, 0, tq) : 0; }
+};
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k, v must be 4-D [B, heads, T, Dh], got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
+  TORCH_CHECK(is_supported_dtype(q.scalar_type()), "attention: unsupported dtype ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "attention: q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention: q, k, v on different devices");
+  TORCH_CHECK(k.sizes() == v.sizes(), "attention: k and v must have one shape, got ", k.sizes(), ", ", v.sizes());
+  Problem p;
+  p.batch = q.size(0);
+  p.heads = q.size(1);
+  p.tq = q.size(2);
+  p.dh = q.size(3);
+  p.kv_heads = k.size(1);
+  p.tk = k.size(2);
+  TORCH_CHECK(k.size(0) == p.batch && k.size(3) == p.dh, "attention: k/v ", k.sizes(), " do not match q ", q.sizes(),
+              " in batch size or head size");
+  TORCH_CHECK(p.dh > 0 && p.dh <= kMaxHeadDim, "attention (cpu): head size must be in [1, ", kMaxHeadDim, "], got ",
+              p.dh);
+  TORCH_CHECK(p.kv_heads > 0 && p.heads % p.kv_heads == 0, "attention: query heads H = ", p.heads,
+              " must be a multiple of key/value heads Hkv = ", p.kv_heads);
+  if (key_padding_mask.has_value()) {
+    const at::Tensor& m = *key_padding_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool, "attention: key_padding_mask must be bool, got ", m.scalar_type());
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == p.batch && m.size(1) == p.tk,
+                "attention: key_padding_mask must be [B, Tk] = [", p.batch, ", ", p.tk, "], got ", m.sizes());
+    TORCH_CHECK(m.device() == q.device(), "attention: key_padding_mask is on another device");
+  }
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, "attention: scale must be positive and finite, got ", scale);
+  p.group = p.heads / p.kv_heads;
+  p.dh_padded = round_up(p.dh, kAlign);
+  p.offset = p.tk - p.tq;
+  p.causal = causal;
+  p.scale = scale;
+  return p;
+}
+
+// The rows of a [B, heads, T, Dh] tensor whose last dim is unit-stride (any other strides).
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* data;
+  int64_t stride_b, stride_h, stride_t;
+  const scalar_t* row(int64_t b, int64_t h, int64_t t) const {
+    return data + b * stride_b + h * stride_h + t * stride_t;
+  }
+};
+
+// A copy only when the last dim is not unit-stride.
+inline at::Tensor unit_last_stride(const at::Tensor& t) {
+  return t.size(3) <= 1 || t.stride(3) == 1 ? t : t.contiguous();
+}
+
+template <typename scalar_t>
+HeadRows<scalar_t> head_rows(const at::Tensor& t) {
+  return {t.const_data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+// Key padding as an additive bias per key, [B, Tk] in the accumulation dtype
+// (0 for a real key, -inf for padding); undefined without a mask.
+at::Tensor key_bias(const c10::optional<at::Tensor>& key_padding_mask, at::ScalarType acc) {
+  if (!key_padding_mask.has_value()) return at::Tensor();
+  at::Tensor bias = at::zeros(key_padding_mask->sizes(), key_padding_mask->options().dtype(acc));
+  return bias.masked_fill_(key_padding_mask->logical_not(), -std::numeric_limits<double>::infinity());
+}
+
+// ---------------------------------------------------------------- row helpers
+
+// dst[0:n] = mul * src[0:n] in T; dst[n:n_padded] = 0.
+template <typename scalar_t, typename T>
+inline void load_row(const scalar_t* src, int64_t n, T mul, T* dst, int64_t n_padded) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<scalar_t, T>) {
+    const Vec<T> vmul(mul);
+    for (; d + Vec<T>::size() <= n; d += Vec<T>::size()) (Vec<T>::loadu(src + d) * vmul).store(dst + d);
+  } else {
+    static_assert(std::is_same_v<T, float>, "half and bfloat16 are computed in float");
+    const Vec<float> vmul(mul);
+    for (; d + Vec<scalar_t>::size() <= n; d += Vec<scalar_t>::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vec<scalar_t>::loadu(src + d));
+      (lo * vmul).store(dst + d);
+      (hi * vmul).store(dst + d + Vec<float>::size());
+    }
+  }
+  for (; d < n; ++d) dst[d] = mul * static_cast<T>(src[d]);
+  std::fill(dst + n, dst + n_padded, T(0));
+}
+
+// Rows [t0, t0 + n) of head (b, h) into dst [n, ldd] (scaled by mul; columns Dh..ldd zeroed).
+template <typename scalar_t, typename T>
+inline void load_rows(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh, T mul,
+                      T* dst, int64_t ldd) {
+  for (int64_t r = 0; r < n; ++r) load_row(x.row(b, h, t0 + r), dh, mul, dst + r * ldd, ldd);
+}
+
+// A [rows, Dh] GEMM operand: the input rows themselves when they already are
+// fp32 rows (unit stride, not overlapping), else a copy converted to T in a
+// packing buffer. `cols` is what a GEMM may read as its N: Dh in place, Dh
+// padded to kAlign in a buffer (gemm_vec works on whole vectors).
+template <typename T>
+struct Operand {
+  const T* data;
+  int64_t ld, cols;
+};
+
+template <typename scalar_t>
+inline bool rows_in_place(const HeadRows<scalar_t>& x, int64_t dh) {
+  return std::is_same_v<scalar_t, float> && x.stride_t >= dh;
+}
+
+template <typename scalar_t, typename T>
+inline Operand<T> rows_operand(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh,
+                               int64_t dhp, T* buf) {
+  if (rows_in_place(x, dh)) return {reinterpret_cast<const T*>(x.row(b, h, t0)), x.stride_t, dh};
+  load_rows(x, b, h, t0, n, dh, T(1), buf, dhp);
+  return {buf, dhp, dhp};
+}
+
+// dst[0:n] = mul * src[0:n] as scalar_t (src is scaled in place).
+template <typename scalar_t, typename T>
+inline void store_row(T* src, int64_t n, T mul, scalar_t* dst) {
+  if (mul != T(1)) at::vec::map([mul](Vec<T> x) { return x * Vec<T>(mul); }, src, src, n);
+  if constexpr (std::is_same_v<scalar_t, T>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// dst[c, r] = src[r, c] for r < rows, c < cols, and dst[c, rows:rows_padded] = 0.
+template <typename T>
+inline void transpose_padded(const T* src, int64_t ld_src, int64_t rows, int64_t cols, T* dst, int64_t ld_dst,
+                             int64_t rows_padded) {
+  if constexpr (std::is_same_v<T, float>) {
+    at::vec::transpose_mxn<float>(src, ld_src, dst, ld_dst, static_cast<int>(rows), static_cast<int>(cols));
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+  if (rows_padded > rows)
+    for (int64_t c = 0; c < cols; ++c) std::fill(dst + c * ld_dst + rows, dst + c * ld_dst + rows_padded, T(0));
+}
+
+// dst[d, r] = x[t0 + r, d] for r < n, d < Dh, zero-padded to n_padded columns
+// (buf: packing space for inputs that are not fp32 rows).
+template <typename scalar_t, typename T>
+inline void load_rows_transposed(const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t dh,
+                                 int64_t dhp, T* buf, T* dst, int64_t ld_dst, int64_t n_padded) {
+  const Operand<T> src = rows_operand(x, b, h, t0, n, dh, dhp, buf);
+  transpose_padded(src.data, src.ld, n, dh, dst, ld_dst, n_padded);
+}
+
+// exp of finite or -inf arguments (for float at::vec's fast exp, 20 ulp).
+template <typename T>
+inline Vec<T> exp_finite(const Vec<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
+// exp that lets NaN through (the fast float exp maps NaN to a finite value).
+template <typename T>
+inline Vec<T> exp_vec(const Vec<T>& x) {
+  return Vec<T>::blendv(exp_finite(x), x, x.isnan());
+}
+
+template <typename T>
+inline T max_propagating_nan(T a, T b) {
+  return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<T>::quiet_NaN() : std::max(a, b);
+}
+
+template <typename T>
+inline T reduce_max(const Vec<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+template <typename T>
+inline T reduce_sum(const Vec<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vec<T>& a, Vec<T>& b) { return a + b; }, v);
+}
+
+// x[0:n] += bias[0:n]
+template <typename T>
+inline void add_bias(T* x, const T* bias, int64_t n) {
+  int64_t d = 0;
+  for (; d + Vec<T>::size() <= n; d += Vec<T>::size()) (Vec<T>::loadu(x + d) + Vec<T>::loadu(bias + d)).store(x + d);
+  for (; d < n; ++d) x[d] += bias[d];
+}
+
+// ---------------------------------------------------------------- GEMM
+
+// C[M, N] = A[M, K] · B[K, N] (+ C when `accumulate`); row-major with leading
+// dimensions; N is a multiple of kAlign. A register-blocked at::vec kernel:
+// MR rows × two vectors of C stay in registers while K is walked.
+template <typename T, int MR>
+inline void gemm_row_block(int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc,
+                           bool accumulate) {
+  constexpr int64_t W = Vec<T>::size();
+  int64_t j = 0;
+  for (; j + 2 * W <= N; j += 2 * W) {
+    Vec<T> c0[MR], c1[MR];
+    for (int r = 0; r < MR; ++r) {
+      c0[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j) : Vec<T>(T(0));
+      c1[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j + W) : Vec<T>(T(0));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec<T> b0 = Vec<T>::loadu(B + k * ldb + j);
+      const Vec<T> b1 = Vec<T>::loadu(B + k * ldb + j + W);
+      for (int r = 0; r < MR; ++r) {
+        const Vec<T> a(A[r * lda + k]);
+        c0[r] = at::vec::fmadd(a, b0, c0[r]);
+        c1[r] = at::vec::fmadd(a, b1, c1[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      c0[r].store(C + r * ldc + j);
+      c1[r].store(C + r * ldc + j + W);
+    }
+  }
+  for (; j < N; j += W) {
+    Vec<T> c0[MR];
+    for (int r = 0; r < MR; ++r) c0[r] = accumulate ? Vec<T>::loadu(C + r * ldc + j) : Vec<T>(T(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec<T> b0 = Vec<T>::loadu(B + k * ldb + j);
+      for (int r = 0; r < MR; ++r) c0[r] = at::vec::fmadd(Vec<T>(A[r * lda + k]), b0, c0[r]);
+    }
+    for (int r = 0; r < MR; ++r) c0[r].store(C + r * ldc + j);
+  }
+}
+
+template <typename T>
+inline void gemm_vec(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, T* C,
+                     int64_t ldc, bool accumulate) {
+  // 2·MR accumulators + 2 B vectors + 1 broadcast fit the 32 (AVX512) or 16 registers.
+  constexpr int MR = sizeof(Vec<T>) >= 64 ? 8 : 4;
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) gemm_row_block<T, MR>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+  for (; i < M; ++i) gemm_row_block<T, 1>(N, K, A + i * lda, lda, B, ldb, C + i * ldc, ldc, accumulate);
+}
+
+inline void gemm(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+                 int64_t ldc, bool accumulate) {
+  if (M <= 0) return;
+  gemm_vec<double>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+}
+
+// float tiles go through oneDNN's batch-reduce GEMM micro-kernel
+// (at::native::cpublas::brgemm; plain BLAS sgemm where PyTorch is built without
+// oneDNN): measured 20-25% faster than gemm_vec on the tile shapes used here
+// (benchmarks/results/attention_cpu.md). There is no fp64 brgemm; fp64 (tests,
+// gradcheck) uses gemm_vec.
+inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+                 int64_t ldc, bool accumulate) {
+  if (M <= 0) return;
+  if (K == 0) {
+    if (!accumulate)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, accumulate, A, B, C, /*is_vnni=*/false);
+}
+
+// ---------------------------------------------------------------- softmax rows
+
+// One query row of the forward against one key tile (online softmax).
+// s[0:valid] holds the row's scaled scores for the keys of the tile it may see;
+// columns [valid, width) are hidden from it. `bias` is the key-padding bias of
+// the tile's keys or null. Overwrites s[0:width] with exp(s - m_new) (0 where
+// hidden), updates the running max m and sum l, and returns exp(m_old - m_new),
+// the factor by which the row's output accumulator must be rescaled.
+template <typename T>
+inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T& m, T& l) {
+  constexpr int64_t W = Vec<T>::size();
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  if (bias != nullptr) add_bias(s, bias, valid);
+  const int64_t full = round_up(valid, W);  // within the row's kAlign-padded buffer
+  std::fill(s + valid, s + full, kNegInf);
+  Vec<T> vmax(kNegInf);
+  for (int64_t d = 0; d < full; d += W) vmax = at::vec::maximum(vmax, Vec<T>::loadu(s + d));
+  const T m_new = max_propagating_nan(m, reduce_max(vmax));
+  if (std::isnan(m_new) || m_new == -kNegInf) {  // NaN or +inf scores make the row NaN, as in the reference
+    std::fill(s, s + width, std::numeric_limits<T>::quiet_NaN());
+    l = m = std::numeric_limits<T>::quiet_NaN();
+    return l;
+  }
+  const T m_safe = m_new == kNegInf ? T(0) : m_new;  // no visible key yet: exp(-inf - 0) = 0
+  const Vec<T> vm(m_safe);
+  Vec<T> vsum(T(0));
+  for (int64_t d = 0; d < full; d += W) {
+    const Vec<T> e = exp_finite(Vec<T>::loadu(s + d) - vm);
+    e.store(s + d);
+    vsum = vsum + e;
+  }
+  if (width > full) std::fill(s + full, s + width, T(0));
+  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);  // the max rarely moves after the first tiles
+  l = l * alpha + reduce_sum(vsum);
+  m = m_new;
+  return alpha;
+}
+
+// One key row of a backward pair (keys on the rows): Pᵀ = exp(s · scale - lse[c])
+// over the columns (queries) [first, width), 0 on [0, first); dSᵀ = Pᵀ ⊙ (dp -
+// delta[c]) over dp. Padding columns have lse = +inf and delta = 0: they come out 0.
+template <typename T>
+inline void dscores_key_row(T* s, T* dp, int64_t first, int64_t width, T scale, const T* lse, const T* delta) {
+  constexpr int64_t W = Vec<T>::size();
+  const Vec<T> vscale(scale);
+  for (int64_t c = first / W * W; c < width; c += W) {
+    const Vec<T> p = exp_vec(at::vec::fmsub(Vec<T>::loadu(s + c), vscale, Vec<T>::loadu(lse + c)));
+    p.store(s + c);
+    (p * (Vec<T>::loadu(dp + c) - Vec<T>::loadu(delta + c))).store(dp + c);
+  }
+  std::fill(s, s + first, T(0));
+  std::fill(dp, dp + first, T(0));
+}
+
+// ---------------------------------------------------------------- forward
+
+template <typename scalar_t>
+void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& bias_t, at::Tensor& out, at::Tensor& lse) {
+  using T = at::opmath_type<scalar_t>;
+  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
+  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  T* lse_data = lse.mutable_data_ptr<T>();
+  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, kBlockQ);
+  const T scale = static_cast<T>(p.scale);
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+  at::parallel_for(0, p.batch * p.heads * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> qs(kBlockQ * dhp), acc(kBlockQ * dhp), s(kBlockQ * kTileK), m(kBlockQ), l(kBlockQ);
+    std::vector<T> krows(kTileK * dhp), kt(dhp * kTileK), vrows(kTileK * dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+      const int64_t i0 = balanced_tile(item % blocks, blocks) * kBlockQ, rows = std::min(kBlockQ, p.tq - i0);
+      load_rows(Q, b, h, i0, rows, dh, scale, qs.data(), dhp);
+      std::fill(acc.begin(), acc.end(), T(0));
+      std::fill(m.begin(), m.end(), kNegInf);
+      std::fill(l.begin(), l.end(), T(0));
+      const int64_t kv_end = p.key_end(i0 + rows - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += kTileK) {
+        const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
+        // Rows above r0 see none of these keys (rounded down to keep GEMM shapes few).
+        const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
+        load_rows_transposed(K, b, hk, k0, n, dh, dhp, krows.data(), kt.data(), kTileK, n_padded);
+        const Operand<T> v_rows = rows_operand(V, b, hk, k0, n, dh, dhp, vrows.data());
+        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
+             false);
+        const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
+        for (int64_t r = r0; r < rows; ++r) {
+          const int64_t valid = std::min(p.key_end(i0 + r) - k0, n);
+          const T alpha = softmax_update_row(s.data() + r * kTileK, std::max<int64_t>(valid, 0), n, bias, m[r], l[r]);
+          if (alpha != T(1)) {
+            at::vec::map([alpha](Vec<T> x) { return x * Vec<T>(alpha); }, acc.data() + r * dhp, acc.data() + r * dhp,
+                         dhp);
+          }
+        }
+        gemm(rows - r0, v_rows.cols, n, s.data() + r0 * kTileK, kTileK, v_rows.data, v_rows.ld, acc.data() + r0 * dhp,
+             dhp, true);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = bh * p.tq + i0 + r;
+        const T inv = l[r] == T(0) ? T(0) : T(1) / l[r];  // no visible key: output 0
+        lse_data[row] = l[r] == T(0) ? kNegInf : m[r] + std::log(l[r]);
+        store_row(acc.data() + r * dhp, dh, inv, out_data + row * dh);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- backward
+//
+// The backward works on pairs (query tile i: kTileQ rows of one head; key block
+// j: kBlockK keys of its kv head) of a fixed grid (i0 a multiple of kTileQ, k0
+// of kBlockK), always with the keys on the rows:
+//   Sᵀ = K_j q_iᵀ, Pᵀ = exp(Sᵀ · scale - lse_i), dPᵀ = V_j dO_iᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ - δ_i),
+// consumed by dV_j += Pᵀ dO_i, dK_j += dSᵀ q_i and dQ_iᵀ += K_jᵀ dSᵀ (dK, dQ · scale at
+// the end). Two schedules give bit-identical results: every pair is computed by
+// the same code, and dQ_i sums its pairs in ascending j with the same GEMMs.
+//   fused: one program per (batch, kv head) runs each pair once (5 GEMMs); it
+//     packs every query tile of its head group once and keeps them and dQᵀ in
+//     per-thread buffers (3·G·Tq·Dh values; 5 for half/bf16 inputs);
+//   split: one program per (batch, kv head, key block) for dK/dV (4 GEMMs per
+//     pair) and one per (batch, head, kBlockQ queries) for dQ (3 GEMMs per pair:
+//     Sᵀ and dPᵀ are recomputed).
+// The fused schedule does 5/7 of the work in B·Hkv programs; the split one has
+// more programs to spread over the threads. The choice depends on the thread
+// count; the result does not.
+
+template <typename T>
+struct KeyBlock {  // kBlockK keys of one kv head: K and V rows, and Kᵀ for the dQ GEMM
+  std::vector<T> k_buf, v_buf, kt;
+  Operand<T> k{}, v{};
+  int64_t k0 = 0, n = 0;
+  explicit KeyBlock(int64_t dhp) : k_buf(kBlockK * dhp), v_buf(kBlockK * dhp), kt(dhp * kBlockK) {}
+};
+
+template <typename T>
+struct QueryTile {  // kTileQ queries of one head: q and dO as rows and transposed, lse and δ
+  std::vector<T> q_buf, qt, do_buf, d_ot, lse, delta;  // q_buf, do_buf: only for rows that are not fp32 in place
+  Operand<T> q{}, d_o{};
+  int64_t i0 = 0, m = 0, m_padded = 0;
+  explicit QueryTile(int64_t dhp) : qt(dhp * kTileQ), d_ot(dhp * kTileQ), lse(kTileQ), delta(kTileQ) {}
+};
+
+template <typename T>
+struct PairTiles {  // Pᵀ and dSᵀ of one pair, [kBlockK, kTileQ]
+  std::vector<T> pt = std::vector<T>(kBlockK * kTileQ), dst = std::vector<T>(kBlockK * kTileQ);
+};
+
+template <typename scalar_t>
+struct BackwardInputs {
+  using T = at::opmath_type<scalar_t>;
+  HeadRows<scalar_t> q, k, v, grad_out;
+  const T* key_bias;  // [B, Tk] or null
+  const T* lse;       // [B, H, Tq], +inf for rows that see no key
+  const T* delta;     // [B, H, Tq]
+};
+
+// delta[row] = <dO[row], O[row]> - dlse[row] and the lse the backward uses:
+// +inf for rows that see no key (lse = -inf), so that their P = exp(s - lse) = 0.
+template <typename scalar_t>
+void backward_row_terms(const Problem& p, const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& lse,
+                        const at::Tensor& grad_lse, at::Tensor& delta, at::Tensor& lse_used) {
+  using T = at::opmath_type<scalar_t>;
+  const auto dO = head_rows<scalar_t>(grad_out), O = head_rows<scalar_t>(out);
+  const T* lse_in = lse.const_data_ptr<T>();
+  const T* dlse = grad_lse.defined() ? grad_lse.const_data_ptr<T>() : nullptr;
+  T* delta_out = delta.mutable_data_ptr<T>();
+  T* lse_out = lse_used.mutable_data_ptr<T>();
+  const int64_t dh = p.dh, dhp = p.dh_padded;
+  constexpr T kInf = std::numeric_limits<T>::infinity();
+  at::parallel_for(0, p.batch * p.heads * p.tq, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> a(dhp), c(dhp);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t t = row % p.tq, h = (row / p.tq) % p.heads, b = row / (p.tq * p.heads);
+      load_row(dO.row(b, h, t), dh, T(1), a.data(), dhp);
+      load_row(O.row(b, h, t), dh, T(1), c.data(), dhp);
+      Vec<T> acc(T(0));
+      for (int64_t d = 0; d < dhp; d += Vec<T>::size())
+        acc = at::vec::fmadd(Vec<T>::loadu(a.data() + d), Vec<T>::loadu(c.data() + d), acc);
+      delta_out[row] = reduce_sum(acc) - (dlse != nullptr ? dlse[row] : T(0));
+      lse_out[row] = lse_in[row] == -kInf ? kInf : lse_in[row];
+    }
+  });
+}
+
+template <typename scalar_t, typename T>
+void load_key_block(KeyBlock<T>& kb, const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk,
+                    int64_t k0, bool with_transpose) {
+  kb.k0 = k0;
+  kb.n = std::min(kBlockK, p.tk - k0);
+  kb.k = rows_operand(in.k, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.k_buf.data());
+  kb.v = rows_operand(in.v, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.v_buf.data());
+  if (with_transpose) transpose_padded(kb.k.data, kb.k.ld, kb.n, p.dh, kb.kt.data(), kBlockK, kb.n);
+}
+
+template <typename scalar_t, typename T>
+void load_query_tile(QueryTile<T>& qt, const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t h,
+                     int64_t i0) {
+  const int64_t dh = p.dh, dhp = p.dh_padded;
+  qt.i0 = i0;
+  qt.m = std::min(kTileQ, p.tq - i0);
+  qt.m_padded = round_up(qt.m, kAlign);
+  if (!rows_in_place(in.q, dh)) qt.q_buf.resize(kTileQ * dhp);
+  if (!rows_in_place(in.grad_out, dh)) qt.do_buf.resize(kTileQ * dhp);
+  qt.q = rows_operand(in.q, b, h, i0, qt.m, dh, dhp, qt.q_buf.data());
+  transpose_padded(qt.q.data, qt.q.ld, qt.m, dh, qt.qt.data(), kTileQ, qt.m_padded);
+  qt.d_o = rows_operand(in.grad_out, b, h, i0, qt.m, dh, dhp, qt.do_buf.data());
+  transpose_padded(qt.d_o.data, qt.d_o.ld, qt.m, dh, qt.d_ot.data(), kTileQ, qt.m_padded);
+  const int64_t row0 = (b * p.heads + h) * p.tq + i0;
+  std::copy(in.lse + row0, in.lse + row0 + qt.m, qt.lse.begin());  // padding: +inf, so P = 0
+  std::fill(qt.lse.begin() + qt.m, qt.lse.end(), std::numeric_limits<T>::infinity());
+  std::copy(in.delta + row0, in.delta + row0 + qt.m, qt.delta.begin());
+  std::fill(qt.delta.begin() + qt.m, qt.delta.end(), T(0));
+}
+
+// Pᵀ and dSᵀ of one pair. Returns n_vis, the number of leading keys of the block
+// that some query of the tile sees (0: the pair contributes nothing).
+template <typename T>
+int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBlock<T>& kb, const QueryTile<T>& qt,
+                     PairTiles<T>& pair) {
+  const int64_t n_vis = std::min(p.key_end(qt.i0 + qt.m - 1) - kb.k0, kb.n);
+  if (n_vis <= 0) return 0;
+  gemm(n_vis, qt.m_padded, p.dh, kb.k.data, kb.k.ld, qt.qt.data(), kTileQ, pair.pt.data(), kTileQ, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.v.data, kb.v.ld, qt.d_ot.data(), kTileQ, pair.dst.data(), kTileQ, false);
+  for (int64_t kk = 0; kk < n_vis; ++kk) {
+    T* p_row = pair.pt.data() + kk * kTileQ;
+    T* ds_row = pair.dst.data() + kk * kTileQ;
+    if (key_bias != nullptr && key_bias[b * p.tk + kb.k0 + kk] != T(0)) {  // a padding key
+      std::fill(p_row, p_row + qt.m_padded, T(0));
+      std::fill(ds_row, ds_row + qt.m_padded, T(0));
+      continue;
+    }
+    const int64_t first = std::clamp<int64_t>(p.query_begin(kb.k0 + kk) - qt.i0, 0, qt.m);
+    dscores_key_row(p_row, ds_row, first, qt.m_padded, static_cast<T>(p.scale), qt.lse.data(), qt.delta.data());
+  }
+  return n_vis;
+}
+
+// dQᵀ_i += K_jᵀ dSᵀ for one pair; dqt is the tile's [Dh, kTileQ] accumulator.
+template <typename T>
+inline void accumulate_dq(const Problem& p, const KeyBlock<T>& kb, const QueryTile<T>& qt, const PairTiles<T>& pair,
+                          int64_t n_vis, T* dqt) {
+  gemm(p.dh, qt.m_padded, n_vis, kb.kt.data(), kBlockK, pair.dst.data(), kTileQ, dqt, kTileQ, true);
+}
+
+// dQ rows [i0, i0 + m) of head (b, h) from the tile's dQᵀ accumulator (times scale).
+template <typename scalar_t, typename T>
+void store_dq_tile(const Problem& p, T* dqt, int64_t b, int64_t h, int64_t i0, T* rows, scalar_t* grad_q) {
+  const int64_t m = std::min(kTileQ, p.tq - i0), dhp = p.dh_padded;
+  transpose_padded(dqt, kTileQ, p.dh, m, rows, dhp, p.dh);
+  for (int64_t r = 0; r < m; ++r) {
+    store_row(rows + r * dhp, p.dh, static_cast<T>(p.scale), grad_q + ((b * p.heads + h) * p.tq + i0 + r) * p.dh);
+  }
+}
+
+// dK and dV of one key block, from every query tile of every head of the group
+// that sees it; with dqt ([G, Tq / kTileQ tiles, Dh, kTileQ]) also the dQᵀ
+// contributions of these pairs. tile_for(g, tile) gives the loaded query tile
+// `tile` of head g of the group.
+template <typename scalar_t, typename T, typename TileFor>
+void key_block_grads(const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk, int64_t k0,
+                     KeyBlock<T>& kb, const TileFor& tile_for, PairTiles<T>& pair, T* dk, T* dv, T* dqt,
+                     scalar_t* grad_k, scalar_t* grad_v) {
+  const int64_t dh = p.dh, dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ);
+  load_key_block(kb, p, in, b, hk, k0, dqt != nullptr);
+  std::fill(dk, dk + kBlockK * dhp, T(0));
+  std::fill(dv, dv + kBlockK * dhp, T(0));
+  for (int64_t g = 0; g < p.group; ++g) {
+    for (int64_t tile = p.query_begin(k0) / kTileQ; tile < q_tiles; ++tile) {
+      const QueryTile<T>& qt = tile_for(g, tile);
+      const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, qt, pair);
+      if (n_vis == 0) continue;
+      gemm(n_vis, qt.d_o.cols, qt.m, pair.pt.data(), kTileQ, qt.d_o.data, qt.d_o.ld, dv, dhp, true);
+      gemm(n_vis, qt.q.cols, qt.m, pair.dst.data(), kTileQ, qt.q.data, qt.q.ld, dk, dhp, true);
+      if (dqt != nullptr) accumulate_dq(p, kb, qt, pair, n_vis, dqt + (g * q_tiles + tile) * dhp * kTileQ);
+    }
+  }
+  for (int64_t r = 0; r < kb.n; ++r) {
+    const int64_t row = (b * p.kv_heads + hk) * p.tk + k0 + r;
+    store_row(dk + r * dhp, dh, static_cast<T>(p.scale), grad_k + row * dh);
+    store_row(dv + r * dhp, dh, T(1), grad_v + row * dh);
+  }
+}
+
+template <typename scalar_t>
+void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at::Tensor& grad_q, at::Tensor& grad_k,
+                        at::Tensor& grad_v) {
+  using T = at::opmath_type<scalar_t>;
+  scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
+  scalar_t* dk_data = grad_k.mutable_data_ptr<scalar_t>();
+  scalar_t* dv_data = grad_v.mutable_data_ptr<scalar_t>();
+  const int64_t dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ), key_blocks = ceil_div(p.tk, kBlockK);
+  const int64_t units = p.batch * p.kv_heads, threads = at::get_num_threads();
+  const bool fused = ceil_div(units, threads) * 5 * threads <= 7 * units;
+
+  if (fused) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      KeyBlock<T> kb(dhp);
+      std::vector<QueryTile<T>> tiles(p.group * q_tiles, QueryTile<T>(dhp));  // every query tile of the head group
+      PairTiles<T> pair;
+      std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp), dqt(p.group * q_tiles * dhp * kTileQ), rows(kTileQ * dhp);
+      const auto loaded = [&](int64_t g, int64_t tile) -> const QueryTile<T>& { return tiles[g * q_tiles + tile]; };
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / p.kv_heads, hk = unit % p.kv_heads;
+        for (int64_t g = 0; g < p.group; ++g) {
+          for (int64_t tile = 0; tile < q_tiles; ++tile) {
+            load_query_tile(tiles[g * q_tiles + tile], p, in, b, hk * p.group + g, tile * kTileQ);
+          }
+        }
+        std::fill(dqt.begin(), dqt.end(), T(0));
+        for (int64_t block = 0; block < key_blocks; ++block) {
+          key_block_grads(p, in, b, hk, block * kBlockK, kb, loaded, pair, dk.data(), dv.data(), dqt.data(), dk_data,
+                          dv_data);
+        }
+        for (int64_t g = 0; g < p.group; ++g) {
+          for (int64_t tile = 0; tile < q_tiles; ++tile) {
+            store_dq_tile(p, dqt.data() + (g * q_tiles + tile) * dhp * kTileQ, b, hk * p.group + g, tile * kTileQ,
+                          rows.data(), dq_data);
+          }
+        }
+      }
+    });
+    return;
+  }
+
+  at::parallel_for(0, units * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    KeyBlock<T> kb(dhp);
+    QueryTile<T> qt(dhp);
+    PairTiles<T> pair;
+    std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t unit = item / key_blocks, b = unit / p.kv_heads, hk = unit % p.kv_heads;
+      const int64_t k0 = balanced_tile(item % key_blocks, key_blocks) * kBlockK;
+      const auto load = [&](int64_t g, int64_t tile) -> const QueryTile<T>& {
+        load_query_tile(qt, p, in, b, hk * p.group + g, tile * kTileQ);
+        return qt;
+      };
+      key_block_grads(p, in, b, hk, k0, kb, load, pair, dk.data(), dv.data(), static_cast<T*>(nullptr), dk_data,
+                      dv_data);
+    }
+  });
+  constexpr int64_t tiles_per_block = kBlockQ / kTileQ;
+  const int64_t q_blocks = ceil_div(q_tiles, tiles_per_block);
+  at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    KeyBlock<T> kb(dhp);
+    std::vector<QueryTile<T>> tiles(tiles_per_block, QueryTile<T>(dhp));
+    PairTiles<T> pair;
+    std::vector<T> dqt(tiles_per_block * dhp * kTileQ), rows(kTileQ * dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bh = item / q_blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+      const int64_t first_tile = balanced_tile(item % q_blocks, q_blocks) * tiles_per_block;
+      const int64_t count = std::min(tiles_per_block, q_tiles - first_tile);
+      for (int64_t t = 0; t < count; ++t) load_query_tile(tiles[t], p, in, b, h, (first_tile + t) * kTileQ);
+      std::fill(dqt.begin(), dqt.end(), T(0));
+      const int64_t kv_end = p.key_end(std::min((first_tile + count) * kTileQ, p.tq) - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += kBlockK) {
+        load_key_block(kb, p, in, b, hk, k0, true);
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, tiles[t], pair);
+          if (n_vis > 0) accumulate_dq(p, kb, tiles[t], pair, n_vis, dqt.data() + t * dhp * kTileQ);
+        }
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        store_dq_tile(p, dqt.data() + t * dhp * kTileQ, b, h, (first_tile + t) * kTileQ, rows.data(), dq_data);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- op entry points
+
+std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const c10::optional<at::Tensor>& key_padding_mask, bool causal,
+                                                double scale) {
+  const Problem p = check_problem(q, k, v, key_padding_mask, causal, scale);
+  const auto acc = accumulation_type(q.scalar_type());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor lse = at::empty({p.batch, p.heads, p.tq}, q.options().dtype(acc));
+  const at::Tensor bias = key_bias(key_padding_mask, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_fwd_cpu", [&] {
+    attention_forward<scalar_t>(p, unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), bias, out, lse);
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const c10::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale) {
+  const Problem p = check_problem(q, k, v, key_padding_mask, causal, scale);
+  const auto acc = accumulation_type(q.scalar_type());
+  for (const auto* t : {&grad_out, &out}) {
+    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type(),
+                "attn_bwd: grad_out and out must be like q: ", q.sizes(), " ", q.scalar_type(), ", got ", t->sizes(),
+                " ", t->scalar_type());
+  }
+  const std::vector<int64_t> row_shape = {p.batch, p.heads, p.tq};
+  TORCH_CHECK(lse.sizes() == at::IntArrayRef(row_shape) && lse.scalar_type() == acc, "attn_bwd: lse must be ",
+              at::IntArrayRef(row_shape), " ", acc, ", got ", lse.sizes(), " ", lse.scalar_type());
+  at::Tensor dlse;
+  if (grad_lse.has_value()) {
+    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(row_shape) && at::isFloatingType(grad_lse->scalar_type()),
+                "attn_bwd: grad_lse must be a floating ", at::IntArrayRef(row_shape), " tensor, got ",
+                grad_lse->sizes(), " ", grad_lse->scalar_type());
+    dlse = grad_lse->to(acc).contiguous();
+  }
+  at::Tensor grad_q = at::empty(q.sizes(), q.options());
+  at::Tensor grad_k = at::empty(k.sizes(), k.options());
+  at::Tensor grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor delta = at::empty(row_shape, q.options().dtype(acc));
+  at::Tensor lse_used = at::empty(row_shape, q.options().dtype(acc));
+  const at::Tensor bias = key_bias(key_padding_mask, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_bwd_cpu", [&] {
+    using T = at::opmath_type<scalar_t>;
+    const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
+    const at::Tensor do_ = unit_last_stride(grad_out);
+    backward_row_terms<scalar_t>(p, do_, unit_last_stride(out), lse.contiguous(), dlse, delta, lse_used);
+    const BackwardInputs<scalar_t> in{head_rows<scalar_t>(q_),
+                                      head_rows<scalar_t>(k_),
+                                      head_rows<scalar_t>(v_),
+                                      head_rows<scalar_t>(do_),
+                                      bias.defined() ? bias.const_data_ptr<T>() : nullptr,
+                                      lse_used.const_data_ptr<T>(),
+                                      delta.const_data_ptr<T>()};
+    attention_backward<scalar_t>(p, in, grad_q, grad_k, grad_v);
+  });
+  return {grad_q, grad_k, grad_v};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnres, CPU, m) {
+  m.impl("attn_fwd", &attn_fwd_cpu);
+  m.impl("attn_bwd", &attn_bwd_cpu);
+}
+
+}  // namespace attnres

@@ -1,0 +1,139 @@
+// A cache of large CPU buffers for the outputs of the native ops (empty_output
+// in depth_attention.h).
+//
+// Why: glibc serves a large allocation (above its mmap threshold, at most
+// 32 MiB) with a fresh mmap, and every page of it faults on first touch while
+// the kernel zeroes it. For a depth read whose output is 32 MiB that costs as
+// much as reading the sources, and it varies from call to call. The outputs of
+// one training step are freed within that step's backward or the next step, so
+// handing a freed buffer to the next output of (about) the same size removes
+// those faults after the first step. Transparent huge pages would make each
+// fault cheaper, but with THP "enabled=madvise, defrag=madvise" a
+// madvise(MADV_HUGEPAGE) region compacts memory synchronously on its first
+// fault, which stalled single calls by up to 0.7 s.
+//
+// Buffers smaller than kMinBytes come from the default CPU allocator (glibc
+// reuses those from its heap). Free buffers are kept up to a limit: the
+// environment variable ATTNRES_CPU_CACHE_MB when set (0 disables the cache),
+// else 1/8 of the physical memory. attnres::empty_cpu_cache() frees them.
+#include <ATen/EmptyTensor.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/alloc_cpu.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "../depth_attention.h"
+
+namespace attnres {
+namespace {
+
+constexpr size_t kMinBytes = size_t(1) << 20;
+constexpr size_t kPageBytes = 4096;
+
+size_t limit_from_env() {
+  if (const char* mb = std::getenv("ATTNRES_CPU_CACHE_MB"))
+    return static_cast<size_t>(std::strtoull(mb, nullptr, 10)) << 20;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) / 8 : size_t(1) << 30;
+}
+
+struct Block {
+  void* ptr;
+  size_t size;
+};
+
+class OutputCache final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    if (nbytes < kMinBytes || limit_ == 0) return c10::GetDefaultCPUAllocator()->allocate(nbytes);
+    const size_t size = (nbytes + kPageBytes - 1) / kPageBytes * kPageBytes;
+    Block* block = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      // The smallest free buffer that fits, if it wastes at most 1/8 of itself.
+      auto it = free_.lower_bound(size);
+      if (it != free_.end() && it->first - size <= it->first / 8) {
+        block = it->second;
+        free_.erase(it);
+        cached_ -= block->size;
+      }
+      in_use_ += block != nullptr ? block->size : size;
+    }
+    if (block == nullptr) block = new Block{c10::alloc_cpu(size), size};
+    report(block, static_cast<int64_t>(block->size));
+    return {block->ptr, block, &OutputCache::release, c10::Device(c10::kCPU)};
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
+
+  void empty() {
+    std::multimap<size_t, Block*> blocks;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      blocks.swap(free_);
+      cached_ = 0;
+    }
+    for (auto& entry : blocks) destroy(entry.second);
+  }
+
+  static OutputCache& instance() {
+    // Never destroyed: tensors may release their buffers after static destructors ran.
+    static OutputCache* cache = new OutputCache();
+    return *cache;
+  }
+
+ private:
+  static void release(void* ctx) { instance().put(static_cast<Block*>(ctx)); }
+
+  void put(Block* block) {
+    report(block, -static_cast<int64_t>(block->size));
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_use_ -= block->size;
+      if (cached_ + block->size <= limit_) {
+        free_.emplace(block->size, block);
+        cached_ += block->size;
+        return;
+      }
+    }
+    destroy(block);
+  }
+
+  static void destroy(Block* block) {
+    c10::free_cpu(block->ptr);
+    delete block;
+  }
+
+  // Tells the memory profiler (torch.profiler with profile_memory=True), as the default allocator does.
+  void report(const Block* block, int64_t delta) {
+    if (!c10::memoryProfilingEnabled()) return;
+    size_t in_use, reserved;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      in_use = in_use_;
+      reserved = in_use_ + cached_;
+    }
+    c10::reportMemoryUsageToProfiler(block->ptr, delta, in_use, reserved, c10::Device(c10::kCPU));
+  }
+
+  const size_t limit_ = limit_from_env();
+  std::mutex mutex_;
+  std::multimap<size_t, Block*> free_;  // free buffers by size
+  size_t cached_ = 0;                   // bytes in free_
+  size_t in_use_ = 0;                   // bytes of cached-size buffers held by tensors
+};
+
+}  // namespace
+
+at::Tensor cached_cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
+  return at::detail::empty_generic(sizes, &OutputCache::instance(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
+                                   std::nullopt);
+}
+
+void empty_cpu_cache() { OutputCache::instance().empty(); }
+
+}  // namespace attnres
