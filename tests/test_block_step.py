@@ -211,21 +211,30 @@ def _gradcheck_cases():
     return [pytest.param(b, p, n, id=f"{b}-partial{int(p)}-norm{int(n)}") for b in FUSED for p, n in combos[b]]
 
 
+def _with_absent(inputs):
+    """``fn`` of the present inputs (for gradcheck) that fills in the absent ones as None."""
+    present = [i for i, x in enumerate(inputs) if x is not None]
+
+    def bind(fn):
+        def bound(*args):
+            full = list(inputs)
+            for i, a in zip(present, args):
+                full[i] = a
+            return fn(*full)
+
+        return bound
+
+    return bind, [inputs[i] for i in present]
+
+
 @pytest.mark.parametrize("backend,has_partial,out_norm", _gradcheck_cases())
 def test_gradcheck_fp64(backend, has_partial, out_norm):
     """Every differentiable input through every output (new_partial, out, lse)."""
     inputs = _gradcheck_inputs(has_partial)
     if not out_norm:
         inputs[6] = None
-    present = [i for i, x in enumerate(inputs) if x is not None]
-
-    def fn(*args):
-        full = list(inputs)
-        for i, a in zip(present, args):
-            full[i] = a
-        return stepper(backend)(*full)
-
-    assert torch.autograd.gradcheck(fn, [inputs[i] for i in present], fast_mode=backend == "triton")
+    bind, present = _with_absent(inputs)
+    assert torch.autograd.gradcheck(bind(stepper(backend)), present, fast_mode=backend == "triton")
 
 
 @pytest.mark.parametrize("backend", FUSED)
@@ -244,18 +253,67 @@ def test_gradients_with_unused_outputs(backend, used):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend", FUSED)
-def test_gradgradcheck_fp64(backend):
+@pytest.mark.parametrize("backend,has_partial,out_norm", _gradcheck_cases())
+def test_gradgradcheck_fp64(backend, has_partial, out_norm):
     """Double backward (through the reference, see ops._registration) is exact."""
-    inputs = _gradcheck_inputs(True, d=4, lead=(3,))
-    assert torch.autograd.gradgradcheck(stepper(backend), inputs, fast_mode=True)
+    inputs = _gradcheck_inputs(has_partial, d=4, lead=(3,))
+    if not out_norm:
+        inputs[6] = None
+    bind, present = _with_absent(inputs)
+    assert torch.autograd.gradgradcheck(bind(stepper(backend)), present, fast_mode=backend == "triton")
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_gradgradcheck_when_only_some_inputs_require_grad(backend):
+    """Inputs that do not require grad get no gradient from the differentiable backward;
+    here the addends' gradient flows only through new_partial."""
+    partial, update, w, h_a, lse_a, g, g_out = _gradcheck_inputs(True, d=4, lead=(3,))
+    h_a, lse_a, g_out = h_a.detach(), lse_a.detach(), g_out.detach()
+
+    def fn(partial, update, w, g):
+        return stepper(backend)(partial, update, w, h_a, lse_a, g, g_out)
+
+    assert torch.autograd.gradgradcheck(fn, (partial, update, w, g), fast_mode=backend == "triton")
+
+
+@pytest.mark.parametrize("backend", FUSED)
+def test_double_backward_when_inputs_depend_on_each_other(backend):
+    """Addends, prefix and site parameters computed from two tensors: the gradients made
+    with create_graph=True are partial derivatives per input (as the kernel's), and their
+    own gradients pass gradgradcheck."""
+    x, y = torch.randn(3, 4, dtype=torch.float64, requires_grad=True), torch.randn(4, dtype=torch.float64)
+    y.requires_grad_()
+
+    def fn(x, y):
+        return stepper(backend)(x.sin(), 2 * x, y, x.cos(), x.sum(-1), y.exp(), y.square())
+
+    outs = fn(x, y)
+    weights = [torch.randn_like(o) for o in outs]
+    plain = torch.autograd.grad(outs, (x, y), weights, retain_graph=True)
+    with_graph = torch.autograd.grad(outs, (x, y), weights, create_graph=True)
+    for a, b in zip(plain, with_graph):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradgradcheck(fn, (x, y), fast_mode=backend == "triton")
+
+
+@pytest.mark.skipif("cpu" not in FUSED, reason="needs the C++ op")
+def test_create_graph_goes_through_the_differentiable_op():
+    """With create_graph=True the C++ autograd calls attnres::block_step_bwd_differentiable,
+    never the fused backward (not differentiable); without, the fused backward."""
+    inputs = _gradcheck_inputs(True)
+    outs = stepper("cpu")(*inputs)
+    weights = [torch.randn_like(o) for o in outs]
+    called = attnres_ops_called(lambda: torch.autograd.grad(outs, inputs, weights, create_graph=True))
+    assert "attnres::block_step_bwd_differentiable" in called and "attnres::block_step_bwd" not in called, called
+    called = attnres_ops_called(lambda: torch.autograd.grad(outs, inputs, weights))
+    assert "attnres::block_step_bwd" in called and "attnres::block_step_bwd_differentiable" not in called, called
 
 
 @pytest.mark.parametrize("backend", FUSED)
 @pytest.mark.parametrize("dtypes", ["fp64", "bf16+fp32|fp32"])
 def test_create_graph_gradients_equal_the_kernel_gradients(backend, dtypes):
-    """With create_graph=True the gradients come from differentiable formulas instead of
-    the backward kernel: the same values and dtypes."""
+    """With create_graph=True the gradients come from autograd through the reference
+    instead of the backward kernel: the same values and dtypes."""
     if dtypes == "fp64":
         inputs = _gradcheck_inputs(True)
         tol = dict(rtol=1e-10, atol=1e-12)

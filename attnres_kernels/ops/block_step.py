@@ -12,11 +12,12 @@ from torch import Tensor
 from .. import reference
 from .._validation import accumulation_dtype, check_block_step, check_depth_read, check_prefix, promoted_dtype
 from . import _dispatch, _native
-from ._registration import register_block_step_fakes
+from ._registration import register_native_block_step_ops
 
 if _native.defines("block_step_fwd"):
-    # The C++ op brings its own (native) autograd; Python adds the fake kernels.
-    register_block_step_fakes("attnres::block_step_fwd", "attnres::block_step_bwd")
+    # The C++ op brings its own autograd (csrc/autograd); Python adds the fake kernels
+    # and the differentiable backward of its double backward.
+    register_native_block_step_ops()
 
 
 def _limit(dim: int, acc: torch.dtype):
