@@ -10,7 +10,7 @@ ARGS ?=
 export MAX_JOBS ?= 2
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu)
 
-.PHONY: demo test lint format bench sweep cmake clean
+.PHONY: demo test lint format bench sweep cmake clean gpu-bench
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,11 @@ bench: $(VENV)/.dev $(VENV)/.built
 
 sweep: $(VENV)/.dev $(VENV)/.built
 	$(PY) benchmarks/sweep.py $(ARGS)
+
+# On a CUDA machine: the cuda-marked tests and benchmark cases, then benchmarks/results/gpu.md + gpu.json.
+gpu-bench: $(VENV)/.dev $(VENV)/.built
+	$(PY) -m pytest -m cuda --benchmark $(ARGS)
+	$(PY) benchmarks/gpu.py
 
 cmake: $(VENV)/.runtime
 	cmake -S . -B build -DPython3_EXECUTABLE=$(abspath $(PY))

@@ -198,7 +198,7 @@ def bench_models():
         for kind, extra, backend in variants:
             torch.manual_seed(0)
             model = getattr(ak.nn, f"{kind}AttnResTransformer" if kind != "Standard" else "StandardTransformer")(
-                *args, backend=backend, **extra
+                *args, backend=backend, attention_backend="sdpa", **extra
             )
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 

@@ -203,8 +203,9 @@ def test_gradcheck_fp64(backend):
         out, lse = ak.attention(q, k[:, :, :3], v[:, :, :3], return_lse=True, backend=backend)
         return out, finite(lse, lse)
 
-    assert torch.autograd.gradcheck(fn, (q, k, v))
-    assert torch.autograd.gradcheck(no_key_rows, (q, k, v))
+    fast = backend == "triton"  # the interpreter runs one program at a time: a random projection of the Jacobian
+    assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=fast)
+    assert torch.autograd.gradcheck(no_key_rows, (q, k, v), fast_mode=fast)
 
 
 @pytest.mark.parametrize("backend", FUSED)

@@ -81,7 +81,7 @@ def test_compile_fullgraph_matches_eager():
 
 
 def test_compile_fullgraph_nn_model():
-    model = ak.nn.BlockAttnResTransformer(31, 16, 2, 2, layers_per_block=1, backend="cpu")
+    model = ak.nn.BlockAttnResTransformer(31, 16, 2, 2, layers_per_block=1, backend="cpu", attention_backend="sdpa")
     idx = torch.randint(0, 31, (2, 5))
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(idx), model(idx))

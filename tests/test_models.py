@@ -106,9 +106,11 @@ def test_state_dicts_load_both_ways(name, kwargs):
 @pytest.mark.parametrize("name,kwargs", MODEL_CASES)
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_nn_models_match_reference(name, kwargs, backend):
-    """Same state dict → logits rel. err < 1e-5 and gradients < 1e-4 (fp32)."""
+    """Same state dict → logits rel. err < 1e-5 and gradients < 1e-4 (fp32). The depth
+    reads run on ``backend``; attention on PyTorch's SDPA (tests/test_nn_attention.py
+    checks the models' attention on our op)."""
     ref = _perturbed(getattr(reference, name)(VOCAB, D, 6, HEADS, **kwargs))
-    fused = getattr(ak.nn, name)(VOCAB, D, 6, HEADS, backend=backend, **kwargs)
+    fused = getattr(ak.nn, name)(VOCAB, D, 6, HEADS, backend=backend, attention_backend="sdpa", **kwargs)
     fused.load_state_dict(ref.state_dict())
     idx = torch.randint(0, VOCAB, (3, 9))
     a, b = ref(idx), fused(idx)
@@ -131,8 +133,13 @@ def test_nn_depth_weights_match_reference(kind):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_nn_model_runs_the_cpu_op_with_fused_norm():
-    model = _perturbed(ak.nn.BlockAttnResTransformer(VOCAB, D, 4, HEADS, layers_per_block=2))
+@pytest.mark.parametrize("schedule", ["per_site", "two_phase"])
+def test_nn_model_runs_the_cpu_op(schedule):
+    model = _perturbed(
+        ak.nn.BlockAttnResTransformer(
+            VOCAB, D, 4, HEADS, layers_per_block=2, schedule=schedule, attention_backend="sdpa"
+        )
+    )
     idx = torch.randint(0, VOCAB, (2, 6))
     called = attnres_ops_called(lambda: model(idx).sum().backward())
     assert {"attnres::depth_attn_fwd", "attnres::depth_attn_bwd"} <= called
@@ -145,20 +152,31 @@ def test_standard_model_has_no_depth_weights():
 
 def test_block_state_helper_commits_at_boundaries():
     emb = torch.randn(2, D)
-    state = ak.nn.BlockAttnResState(emb, layers_per_block=2)
     outputs = [torch.randn(2, D) for _ in range(4)]
-    state.begin_layer(0)
-    assert len(state.sources) == 1 and state.sources[0] is emb
-    state.add(outputs[0])
-    state.add(outputs[1])
-    state.begin_layer(1)  # inside the block: no commit
-    assert len(state.sources) == 2
-    state.add(outputs[2])
-    state.begin_layer(2)  # boundary: the partial sum becomes block 1
+    state = ak.nn.BlockAttnResState.start(emb).commit()  # layer 0 commits the embedding as block 0
+    assert len(state.sources) == 1 and state.sources[0] is emb and state.partial is None
+    state = state.add(outputs[0]).add(outputs[1])
+    assert len(state.sources) == 2  # layer 1: inside the block, no commit
+    state = state.add(outputs[2]).commit()  # layer 2: the partial sum becomes block 1
     assert len(state.sources) == 2
     torch.testing.assert_close(state.sources[1], outputs[0] + outputs[1] + outputs[2])
-    state.add(outputs[3])
+    state = state.add(outputs[3])
     assert len(state.sources) == 3 and state.sources[2] is outputs[3]
+
+
+def test_block_state_block_sum_includes_the_pending_output():
+    emb, partial, pending = torch.randn(3, 2, D)
+    state = ak.nn.BlockAttnResState((emb,), partial, pending)
+    torch.testing.assert_close(state.sources[1], partial + pending)
+    committed = state.commit()
+    assert committed.partial is None and committed.pending is None and len(committed.blocks) == 2
+    torch.testing.assert_close(committed.blocks[1], partial + pending)
+
+
+def test_full_state_helper_appends_sources():
+    emb, y = torch.randn(2, 2, D)
+    state = ak.nn.FullAttnResState.start(emb).add(y)
+    assert state.sources == (emb, y)
 
 
 def test_invalid_model_arguments():
@@ -168,3 +186,9 @@ def test_invalid_model_arguments():
         ak.nn.FullAttnResTransformer(VOCAB, 10, 2, 3)
     with pytest.raises(ValueError, match="unknown backend"):
         ak.nn.FullAttnResTransformer(VOCAB, D, 2, HEADS, backend="fast")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ak.nn.StandardTransformer(VOCAB, D, 2, HEADS, attention_backend="flash")
+    with pytest.raises(ValueError, match="chunk_size"):
+        ak.nn.FullAttnResTransformer(VOCAB, D, 2, HEADS, chunk_size=0)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        ak.nn.BlockAttnResTransformer(VOCAB, D, 2, HEADS, layers_per_block=1, schedule="fast")

@@ -87,8 +87,12 @@ def test_mixed_dtypes_out_of_slot_order_with_site_groups(monkeypatch):
     want = _run("reference", sources, w, g, g_out, h_a, lse_a)
     for k, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and not a.isnan().any(), k
-        tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(a.dtype, 1e-2)
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        # bf16 source gradients are rounded once per site-group launch (3 launches add to them):
+        # the error is an ulp of the partial sums (up to ~4 here), not of the result.
+        rtol, atol = {torch.float64: (1e-10, 1e-10), torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2)}.get(
+            a.dtype, (2e-2, 4e-2)
+        )
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
     for s, grad in zip(sources, got[2:7]):
         assert grad.dtype == s.dtype
 

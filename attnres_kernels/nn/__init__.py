@@ -1,13 +1,36 @@
-"""Drop-in modules backed by the fused depth-attention kernels."""
+"""Drop-in modules backed by the fused kernels: sites, layers that own their depth
+reads, the Full/Block depth states and the Standard, Full and Block AttnRes models."""
 
-from .models import BlockAttnResTransformer, FullAttnResTransformer, StandardTransformer
+from .layers import (
+    BlockAttnResLayer,
+    CausalSelfAttention,
+    FullAttnResLayer,
+    RMSNorm,
+    ShardedSiteError,
+    StandardLayer,
+)
+from .models import (
+    DEFAULT_BLOCK_SCHEDULE,
+    DEFAULT_CHUNK_SIZE,
+    BlockAttnResTransformer,
+    FullAttnResTransformer,
+    StandardTransformer,
+)
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 __all__ = [
-    "DepthAttentionSite",
-    "FullAttnResState",
+    "DEFAULT_BLOCK_SCHEDULE",
+    "DEFAULT_CHUNK_SIZE",
+    "BlockAttnResLayer",
     "BlockAttnResState",
-    "StandardTransformer",
-    "FullAttnResTransformer",
     "BlockAttnResTransformer",
+    "CausalSelfAttention",
+    "DepthAttentionSite",
+    "FullAttnResLayer",
+    "FullAttnResState",
+    "FullAttnResTransformer",
+    "RMSNorm",
+    "ShardedSiteError",
+    "StandardLayer",
+    "StandardTransformer",
 ]

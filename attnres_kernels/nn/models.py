@@ -1,99 +1,245 @@
 """Kernel-backed decoder LMs: the models of :mod:`attnres_kernels.reference.models`
-with the same module tree (state dicts load both ways with ``strict=True``),
-running every depth read through :func:`attnres_kernels.depth_attention` with
-the sublayer's PreNorm fused into the read, and attention through
-``scaled_dot_product_attention``.
+with the same module tree (state dicts load both ways with ``strict=True``).
+
+Each layer runs its own depth reads (:mod:`attnres_kernels.nn.layers`) through
+the fused depth-read op with the sublayer's PreNorm fused into the read, and
+attention through :func:`attnres_kernels.attention` (or PyTorch's SDPA with
+``attention_backend="sdpa"``). The forward is split so that a pipeline stage
+can run any slice of it::
+
+    state = model.initial_state(model.embed(idx))     # FullAttnResState / BlockAttnResState / a tensor
+    for layer in model.layers:
+        state = layer(state)
+    logits = model.logits(state)
+
+Schedules of the depth reads (same results up to rounding, same parameters):
+
+- Full AttnRes, ``chunk_size=C``: sites (the 2L sublayers, then the output
+  site) in chunks of C; the first site of a chunk reads the sources committed
+  before the chunk for every site of the chunk in one multi-query read
+  (phase 1, ``(h, lse)`` per site) and each later site merges the chunk's own
+  sources into its row (paper, Appendix B). ``chunk_size=1`` reads site by site.
+- Block AttnRes, ``schedule="two_phase"`` (DESIGN.md §2.3) or ``"per_site"``.
+
+FSDP2: ``for unit in model.shard_units(): fully_shard(unit)`` then
+``fully_shard(model)``. The per-site schedules shard each layer on its own;
+the multi-query schedules need the layers of a block (chunk) in one unit: the
+unit's first layer reads the queries of all its sites (and, in the last unit,
+those of the root's output site). The boundaries between units are also where
+a pipeline can cut the stack, with the last unit on the stage of the head.
 """
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-from torch import Tensor
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from .. import ops
-from ..reference import models as ref
+from . import layers as L
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
+# Defaults chosen by measuring train steps (benchmarks/model_steps.py, CPU, the demo
+# config and d=256, L=12, T=128, B=4) with the kernels of the time: chunks of 4 sites
+# were 7-11 % faster than site by site (8 similar, 2 half as much); the two-phase
+# Block schedule was 3-7 % slower than per-site while its Block step ran unfused.
+# Re-measure when the kernels change.
+DEFAULT_CHUNK_SIZE = 4
+DEFAULT_BLOCK_SCHEDULE = "per_site"
 
-class RMSNorm(ref.RMSNorm):
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-
-
-class CausalSelfAttention(ref.CausalSelfAttention):
-    def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class _FusedLM(ref._DecoderLM):
-    site_cls = DepthAttentionSite
-    attention_cls = CausalSelfAttention
-    norm_cls = RMSNorm
-
-    def _set_backend(self, backend: str) -> None:
-        if backend not in ops.BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; expected one of {ops.BACKENDS}")
-        self.backend = backend
-        for module in self.modules():
-            if isinstance(module, DepthAttentionSite):
-                module.backend = backend
+BLOCK_SCHEDULES = ("two_phase", "per_site")
 
 
-class StandardTransformer(_FusedLM):
-    """``h = h + attn(norm(h)); h = h + mlp(norm(h))``; ``backend`` is accepted
-    for a uniform constructor (the standard model has no depth reads)."""
-
-    site_cls = None
+class _DecoderLM(nn.Module):
+    """Embedding → layers → (output site) → final norm → head, as the reference models."""
 
     def __init__(
-        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6, backend: str = "auto"
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        *,
+        eps: float,
+        backend: str,
+        attention_backend: str,
+        checkpoint: bool,
+        make_layer,
+        has_sites: bool,
     ):
-        super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
-        self._set_backend(backend)
+        super().__init__()
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; expected one of {ops.BACKENDS}")
+        if attention_backend not in L.ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {attention_backend!r}; expected one of {L.ATTENTION_BACKENDS}")
+        self.d_model, self.n_layers, self.eps = d_model, n_layers, eps
+        self.backend, self.checkpoint = backend, checkpoint
+        self.attention_backend = attention_backend
+        attention = backend if attention_backend == "auto" else attention_backend
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.layers = nn.ModuleList(make_layer(attention) for _ in range(n_layers))
+        if has_sites:
+            self.out_site = DepthAttentionSite(d_model, eps, backend)
+        self.final_norm = L.RMSNorm(d_model, eps)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
 
-    forward = ref.StandardTransformer.forward
+    def run_layers(self, state, **kwargs):
+        """Runs every layer on ``state`` (recomputing each in backward with ``checkpoint=True``)."""
+        for layer in self.layers:
+            if self.checkpoint and torch.is_grad_enabled():
+                state = activation_checkpoint(layer, state, use_reentrant=False, **kwargs)
+            else:
+                state = layer(state, **kwargs)
+        return state
+
+    def shard_units(self) -> list:
+        """The groups of layers to shard together with FSDP2: ``fully_shard(unit)`` for
+        each, then ``fully_shard(model)`` for the embedding, output site, final norm and head."""
+        return [[layer] for layer in self.layers]
 
 
-class _AttnResLM(_FusedLM):
-    def _initial_state(self, embedding: Tensor):
-        raise NotImplementedError
+class StandardTransformer(_DecoderLM):
+    """``h = h + attn(norm(h)); h = h + mlp(norm(h))``; ``backend`` is the attention's
+    (``attention_backend="auto"``); the standard model has no depth reads."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        *,
+        eps: float = 1e-6,
+        backend: str = "auto",
+        attention_backend: str = "auto",
+        checkpoint: bool = False,
+    ):
+        super().__init__(
+            vocab_size,
+            d_model,
+            n_layers,
+            n_heads,
+            eps=eps,
+            backend=backend,
+            attention_backend=attention_backend,
+            checkpoint=checkpoint,
+            make_layer=lambda attention: L.StandardLayer(d_model, n_heads, eps, attention),
+            has_sites=False,
+        )
+
+    def initial_state(self, embedding: Tensor) -> Tensor:
+        return embedding
+
+    def logits(self, h: Tensor) -> Tensor:
+        return self.head(self.final_norm(h))
+
+    def forward(self, idx: Tensor, return_depth_weights: bool = False) -> Tensor:
+        if return_depth_weights:
+            raise ValueError("StandardTransformer has no depth attention, so no depth weights")
+        return self.logits(self.run_layers(self.initial_state(self.embed(idx))))
+
+
+class _AttnResLM(_DecoderLM):
+    def backends(self, like: Tensor) -> L.Backends:
+        """The backends a forward on sources like ``like`` runs (resolved once per forward)."""
+        return L.resolve_backends(self.backend, like)
+
+    def _site_names(self) -> list:
+        """``(name, site)`` of every site in read order: attention, MLP per layer, then the output site."""
+        names = [
+            (f"layers.{i}.{s}", getattr(layer, s))
+            for i, layer in enumerate(self.layers)
+            for s in ("attn_site", "mlp_site")
+        ]
+        return names + [("out_site", self.out_site)]
 
     def forward(self, idx: Tensor, return_depth_weights: bool = False):
-        """Logits ``[B, T, vocab]``; with ``return_depth_weights`` also the list
-        (site order: attn, mlp per layer, then the output site) of ``[n_sources, B, T]`` weights."""
-        state = self._initial_state(self.embed(idx))
-        weights = []
+        """Logits ``[B, T, vocab]``; with ``return_depth_weights`` also the list (site
+        order: attn, mlp per layer, then the output site) of ``[n_sources, B, T]``
+        weights (that forward reads site by site)."""
+        embedding = self.embed(idx)
+        backends = self.backends(embedding)
+        state = self.initial_state(embedding, record_weights=return_depth_weights)
+        state = self.run_layers(state, backends=backends)
+        logits, weights = self._logits(state, backends)
+        return (logits, list(weights)) if return_depth_weights else logits
 
-        def read(site, norm):
-            result = site(state.sources, out_norm_weight=norm.weight, return_weights=return_depth_weights)
-            if return_depth_weights:
-                weights.append(result[1])
-                return result[0]
-            return result
-
-        for i, layer in enumerate(self.layers):
-            state.begin_layer(i)
-            for site, norm, f in layer.sublayers():
-                state.add(f(read(site, norm)))
-        logits = self.head(read(self.out_site, self.final_norm))
-        return (logits, weights) if return_depth_weights else logits
+    def logits(self, state) -> Tensor:
+        """The output site's read of the final state, then the final norm (fused) and the head."""
+        return self._logits(state, self.backends(self._like(state)))[0]
 
 
 class FullAttnResTransformer(_AttnResLM):
-    """Full AttnRes: every sublayer output is a source of every later read."""
+    """Full AttnRes: every sublayer output is a source of every later read.
+
+    ``chunk_size``: sites per chunk of the chunked schedule (1: site by site;
+    default :data:`DEFAULT_CHUNK_SIZE`); see :mod:`attnres_kernels.nn.models`."""
 
     def __init__(
-        self, vocab_size: int, d_model: int, n_layers: int, n_heads: int, *, eps: float = 1e-6, backend: str = "auto"
+        self,
+        vocab_size: int,
+        d_model: int,
+        n_layers: int,
+        n_heads: int,
+        *,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        eps: float = 1e-6,
+        backend: str = "auto",
+        attention_backend: str = "auto",
+        checkpoint: bool = False,
     ):
-        super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
-        self._set_backend(backend)
+        if not (isinstance(chunk_size, int) and chunk_size >= 1):
+            raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+        super().__init__(
+            vocab_size,
+            d_model,
+            n_layers,
+            n_heads,
+            eps=eps,
+            backend=backend,
+            attention_backend=attention_backend,
+            checkpoint=checkpoint,
+            make_layer=lambda attention: L.FullAttnResLayer(d_model, n_heads, eps, attention, backend),
+            has_sites=True,
+        )
+        self.chunk_size = chunk_size
+        plans = L.full_site_plans(self._site_names(), chunk_size)
+        for i, layer in enumerate(self.layers):
+            layer.configure(plans[2 * i], plans[2 * i + 1])
+        self._out_plan = plans[-1]
 
-    def _initial_state(self, embedding: Tensor) -> FullAttnResState:
-        return FullAttnResState(embedding)
+    def initial_state(self, embedding: Tensor, *, record_weights: bool = False) -> FullAttnResState:
+        return FullAttnResState.start(embedding, record_weights=record_weights)
+
+    @staticmethod
+    def _like(state: FullAttnResState) -> Tensor:
+        return state.sources[0]
+
+    def _logits(self, state: FullAttnResState, backends: L.Backends):
+        h, state = L.full_site_input(backends, state, self._out_plan, self.out_site, self.final_norm.weight, self.eps)
+        return self.head(h), state.weights
+
+    def shard_units(self) -> list:
+        """Layers whose sites share a chunk form one unit (each layer alone for ``chunk_size <= 2``)."""
+        units = []
+        for i, layer in enumerate(self.layers):
+            # Layer i joins layer i - 1's unit when its attention site (2i) is not the first of a chunk.
+            if i > 0 and (2 * i) % self.chunk_size != 0:
+                units[-1].append(layer)
+            else:
+                units.append([layer])
+        return units
+
+    def extra_repr(self) -> str:
+        return f"chunk_size={self.chunk_size}, backend={self.backend!r}, checkpoint={self.checkpoint}"
 
 
 class BlockAttnResTransformer(_AttnResLM):
-    """Block AttnRes: reads over committed blocks of ``layers_per_block`` layers plus the partial sum."""
+    """Block AttnRes: reads over committed blocks of ``layers_per_block`` layers plus the partial sum.
+
+    ``schedule``: ``"two_phase"`` (one multi-query read of the committed blocks per
+    block, then the fused Block step per site) or ``"per_site"`` (default:
+    :data:`DEFAULT_BLOCK_SCHEDULE`)."""
 
     def __init__(
         self,
@@ -103,14 +249,64 @@ class BlockAttnResTransformer(_AttnResLM):
         n_heads: int,
         *,
         layers_per_block: int,
+        schedule: str = DEFAULT_BLOCK_SCHEDULE,
         eps: float = 1e-6,
         backend: str = "auto",
+        attention_backend: str = "auto",
+        checkpoint: bool = False,
     ):
         if layers_per_block < 1:
             raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
-        super().__init__(vocab_size, d_model, n_layers, n_heads, eps=eps)
-        self.layers_per_block = layers_per_block
-        self._set_backend(backend)
+        if schedule not in BLOCK_SCHEDULES:
+            raise ValueError(f"unknown schedule {schedule!r}; expected one of {BLOCK_SCHEDULES}")
+        super().__init__(
+            vocab_size,
+            d_model,
+            n_layers,
+            n_heads,
+            eps=eps,
+            backend=backend,
+            attention_backend=attention_backend,
+            checkpoint=checkpoint,
+            make_layer=lambda attention: L.BlockAttnResLayer(d_model, n_heads, eps, attention, backend),
+            has_sites=True,
+        )
+        self.layers_per_block, self.schedule = layers_per_block, schedule
+        sites = self._site_names()
+        for i, layer in enumerate(self.layers):
+            start = i - i % layers_per_block
+            end = min(start + layers_per_block, n_layers)
+            group = None
+            if i == start:  # the block's sites, and the output site when the block is the last
+                group = tuple(sites[2 * start : 2 * end + (1 if end == n_layers else 0)])
+            layer.configure(i == start, 2 * (i - start), group, schedule == "two_phase")
+        self._out_row = 2 * (n_layers - (n_layers - 1) // layers_per_block * layers_per_block)
 
-    def _initial_state(self, embedding: Tensor) -> BlockAttnResState:
-        return BlockAttnResState(embedding, self.layers_per_block)
+    def initial_state(self, embedding: Tensor, *, record_weights: bool = False) -> BlockAttnResState:
+        return BlockAttnResState.start(embedding, record_weights=record_weights)
+
+    @staticmethod
+    def _like(state: BlockAttnResState) -> Tensor:
+        return state.blocks[0]
+
+    def _logits(self, state: BlockAttnResState, backends: L.Backends):
+        norm_weight = self.final_norm.weight
+        if state.prefix_out is None:  # per-site schedule
+            h, weights = L.site_read(backends, state.sources, self.out_site, norm_weight, self.eps, state.weights)
+            return self.head(h), weights
+        prefix = (state.prefix_out[self._out_row], state.prefix_lse[self._out_row])
+        _, h = L.phase2_step(backends, state.partial, state.pending, self.out_site, prefix, norm_weight, self.eps)
+        return self.head(h), None
+
+    def shard_units(self) -> list:
+        """Two-phase: the layers of each block form one unit; per-site: each layer alone."""
+        if self.schedule == "per_site":
+            return super().shard_units()
+        s = self.layers_per_block
+        return [list(self.layers[i : i + s]) for i in range(0, self.n_layers, s)]
+
+    def extra_repr(self) -> str:
+        return (
+            f"layers_per_block={self.layers_per_block}, schedule={self.schedule!r}, backend={self.backend!r}, "
+            f"checkpoint={self.checkpoint}"
+        )

@@ -2,21 +2,29 @@
 
 - :class:`DepthAttentionSite`: one depth read with its own pseudo-query
   (zeros) and key-norm weight (ones), optionally fusing the sublayer's PreNorm.
-- :class:`FullAttnResState` / :class:`BlockAttnResState`: the sources a site
-  reads, kept across a forward pass (every sublayer output for Full; committed
-  blocks plus the running partial sum for Block).
+- :class:`FullAttnResState` / :class:`BlockAttnResState`: the depth state that
+  crosses a layer boundary (every sublayer output for Full; committed blocks
+  plus the running partial sum for Block). They are named tuples of tensors
+  (a pytree), immutable: each step returns a new state.
 
 A model's forward then reads::
 
-    state = BlockAttnResState(embedding, layers_per_block=2)
+    state = BlockAttnResState.start(embedding)
     for i, layer in enumerate(layers):
-        state.begin_layer(i)
-        state.add(attn(attn_site(state.sources, out_norm_weight=attn_norm.weight)))
-        state.add(mlp(mlp_site(state.sources, out_norm_weight=mlp_norm.weight)))
+        if i % layers_per_block == 0:
+            state = state.commit()
+        state = state.add(attn(attn_site(state.sources, out_norm_weight=attn_norm.weight)))
+        state = state.add(mlp(mlp_site(state.sources, out_norm_weight=mlp_norm.weight)))
     h = out_site(state.sources)
+
+The models of :mod:`attnres_kernels.nn.models` keep the same states but run
+each layer's reads inside the layer (see :mod:`attnres_kernels.nn.layers`),
+with the multi-query schedules filling the ``prefix_*`` fields.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -56,47 +64,82 @@ class DepthAttentionSite(nn.Module):
         return f"d_model={self.query.shape[0]}, eps={self.eps}, backend={self.backend!r}"
 
 
-class FullAttnResState:
-    """Full AttnRes: the embedding, then every sublayer output, is a source."""
+class FullAttnResState(NamedTuple):
+    """The depth state of Full AttnRes between two layers.
 
-    def __init__(self, embedding: Tensor):
-        self._sources = [embedding]
-
-    def begin_layer(self, index: int) -> None:
-        """Full AttnRes has no block boundaries."""
-
-    @property
-    def sources(self) -> list[Tensor]:
-        return list(self._sources)
-
-    def add(self, output: Tensor) -> None:
-        self._sources.append(output)
-
-
-class BlockAttnResState:
-    """Block AttnRes: committed block summaries plus the running partial sum.
-
-    ``begin_layer(i)`` commits the partial sum as a block when
-    ``i % layers_per_block == 0`` (at i = 0 that commits the embedding as block
-    0); the next read then sees only the committed blocks, and the next
-    sublayer output starts a fresh partial sum.
+    - ``sources``: the embedding, then every sublayer output so far, each
+      ``[..., D]``; site k (0-based over the sublayers) reads ``sources[:k + 1]``.
+    - ``prefix_out`` / ``prefix_lse``: chunked schedule only, the phase-1 read of
+      the current chunk's C sites over the sources committed before the chunk:
+      tuples of C tensors ``[..., D]`` / ``[...]`` (accumulation dtype), entry r
+      for the chunk's r-th site; None outside the chunked schedule. A chunk that spans a layer
+      boundary carries them across it.
+    - ``weights``: ``None``, or (when depth weights were asked for) the weights
+      ``[n_sources, ...]`` of every site read so far.
     """
 
-    def __init__(self, embedding: Tensor, layers_per_block: int):
-        if layers_per_block < 1:
-            raise ValueError(f"layers_per_block must be >= 1, got {layers_per_block}")
-        self.layers_per_block = layers_per_block
-        self.blocks: list[Tensor] = []
-        self.partial: Tensor | None = embedding
+    sources: tuple
+    prefix_out: tuple | None = None
+    prefix_lse: tuple | None = None
+    weights: tuple | None = None
 
-    def begin_layer(self, index: int) -> None:
-        if index % self.layers_per_block == 0:
-            self.blocks.append(self.partial)
-            self.partial = None
+    @classmethod
+    def start(cls, embedding: Tensor, *, record_weights: bool = False) -> FullAttnResState:
+        return cls((embedding,), weights=() if record_weights else None)
+
+    def add(self, output: Tensor) -> FullAttnResState:
+        """The state after a sublayer output ``output`` (a new source)."""
+        return self._replace(sources=self.sources + (output,))
+
+
+class BlockAttnResState(NamedTuple):
+    """The depth state of Block AttnRes between two layers.
+
+    - ``blocks``: the committed blocks, each ``[..., D]``: block 0 is the
+      embedding, block b the sum of the sublayer outputs of the b-th block of layers.
+    - ``partial``: the running sum of the current block's sublayer outputs, or
+      None right after a commit (no sublayer of the block has run yet).
+    - ``pending``: two-phase schedule only, the last sublayer output, not yet
+      added to ``partial`` (the next site's fused Block step adds it); None otherwise.
+      The block's sum is ``partial + pending``.
+    - ``prefix_out`` / ``prefix_lse``: two-phase schedule only, the phase-1 read
+      of the current block's Q sites (attention, MLP per layer, then the output
+      site if the block is the last) over ``blocks``: tuples of Q tensors
+      ``[..., D]`` / ``[...]`` (accumulation dtype), one entry per site.
+    - ``weights``: as in :class:`FullAttnResState`.
+
+    Every site reads ``blocks`` plus the block's sum so far, when there is one.
+    """
+
+    blocks: tuple
+    partial: Tensor | None
+    pending: Tensor | None = None
+    prefix_out: tuple | None = None
+    prefix_lse: tuple | None = None
+    weights: tuple | None = None
+
+    @classmethod
+    def start(cls, embedding: Tensor, *, record_weights: bool = False) -> BlockAttnResState:
+        """Before layer 0: the embedding is the running sum, committed as block 0 by layer 0."""
+        return cls((), embedding, weights=() if record_weights else None)
+
+    def block_sum(self) -> Tensor | None:
+        """The sum of the current block's outputs so far (``partial + pending``), or None."""
+        if self.pending is None:
+            return self.partial
+        return self.pending if self.partial is None else self.partial + self.pending
 
     @property
-    def sources(self) -> list[Tensor]:
-        return self.blocks + ([self.partial] if self.partial is not None else [])
+    def sources(self) -> tuple:
+        """What a site reads: the committed blocks plus the block's sum so far, if any."""
+        total = self.block_sum()
+        return self.blocks if total is None else self.blocks + (total,)
 
-    def add(self, output: Tensor) -> None:
-        self.partial = output if self.partial is None else self.partial + output
+    def commit(self) -> BlockAttnResState:
+        """Ends the current block: its sum becomes a committed block and the next starts empty."""
+        return self._replace(blocks=self.sources, partial=None, pending=None, prefix_out=None, prefix_lse=None)
+
+    def add(self, output: Tensor) -> BlockAttnResState:
+        """The state after a sublayer output ``output`` (added to the running sum)."""
+        total = self.block_sum()
+        return self._replace(partial=output if total is None else total + output, pending=None)

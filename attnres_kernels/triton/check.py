@@ -37,13 +37,20 @@ from triton.runtime.jit import create_function_from_signature
 
 # Modules whose ``aot_launches(dtype)`` lists every launch (an :class:`AotLaunch`
 # per kernel × configuration the dispatcher can choose) of one op family.
-AOT_FAMILIES = ("attnres_kernels.triton.launch", "attnres_kernels.triton.block_step")
+AOT_FAMILIES = (
+    "attnres_kernels.triton.launch",
+    "attnres_kernels.triton.attention_launch",
+    "attnres_kernels.triton.block_step",
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 PTXAS_LINE = re.compile(r"Used (\d+) registers")
 SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 SMEM = re.compile(r"(\d+) bytes smem")
 PTX_TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.MULTILINE)
+# Shared memory one block may use on every sm_80+ GPU (99 KiB on sm_86/sm_89; more on
+# sm_80 and sm_90): Triton refuses to launch a kernel that needs more than the device has.
+SMEM_LIMIT = 101376
 
 
 def _compile_ptx(kernel, args, constexprs, launch_options, arch):
@@ -54,7 +61,7 @@ def _compile_ptx(kernel, args, constexprs, launch_options, arch):
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     compiled = triton_compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
-    return compiled.asm["ptx"]
+    return compiled.asm["ptx"], compiled.metadata.shared
 
 
 def _ptxas(ptx: str, ptxas: str):
@@ -87,11 +94,13 @@ def _check_one(job):
     )
     line = format_line("triton", name, dtype_name, config, arch)
     try:
-        ptx = _compile_ptx(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
-        regs, spill, smem = _ptxas(ptx, ptxas)
+        ptx, dynamic_smem = _compile_ptx(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
+        regs, spill, static_smem = _ptxas(ptx, ptxas)
     except Exception as exc:  # every failure is reported, then fails the run
         return f"{line} FAILED: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", False
-    return f"{line} {regs:5d} {spill:7d} {smem:7d}{'' if spill == 0 else '  SPILLS'}", spill == 0
+    smem = static_smem + dynamic_smem
+    problems = ("  SPILLS" if spill else "") + ("  SMEM" if smem > SMEM_LIMIT else "")
+    return f"{line} {regs:5d} {spill:7d} {smem:7d}{problems}", not problems
 
 
 HEADER = " ".join(

@@ -1,0 +1,631 @@
+"""GPU benchmark of the depth read and of model training steps; writes a Markdown report and JSON.
+
+    python benchmarks/gpu.py [--out benchmarks/results] [--quick] [--rep 100] [--skip-models]
+    python benchmarks/gpu.py --dry-run [--out DIR]        # no GPU: exercises the same code on tiny CPU tensors
+    make gpu-bench                                         # pytest -m cuda, then this script
+
+Depth read (DESIGN.md §2.1, §6): forward and forward+backward timed with
+``triton.testing.do_bench`` (median and 20/80 % quantiles, L2 flushed before each run) for
+
+- ours: the Triton backend and the CUDA backend;
+- baselines: the eager reference and ``torch.compile`` of it (Inductor), and a device-to-device
+  copy into a reused buffer of as many bytes as the forward's I/O floor (the bandwidth reference);
+- peers, when their package is installed (see :data:`PEERS` for how each API is called):
+  fla-core's ``fla.ops.attnres.fused_attnres``, liger-kernel's ``LigerAttnResFunction``,
+  fast-attnres's ``attnres``, and flash-attn-res's phase-1 op (multi-query).
+
+Every timed implementation is first checked for accuracy in the same run: its output and
+gradients against an fp32 oracle (the reference on fp32 copies of the inputs), with
+FlashAttention's rule (error at most 3x that of the eager reference in the input precision, plus
+a small slack); a failing implementation is marked FAIL in the report. An implementation that
+is not installed or cannot run a case (no CUDA build of ours yet, a peer's width or dtype limits)
+is listed as skipped with the reason, never as an error; one that raises is listed as an error.
+
+Models: one AdamW training step (bf16 autocast: fp32 parameters and embedding, bf16 sublayers,
+so the depth reads see mixed dtypes) of Standard, Full and Block AttnRes at d=1024, L=12,
+T=1024 on the fused kernels (``backend="auto"``) and on the reference depth read, with the peak
+memory of the step.
+
+``--dry-run`` runs the same code paths on tiny CPU tensors: Triton under its interpreter
+(``TRITON_INTERPRET=1``), a ``perf_counter`` timer instead of ``do_bench``, ``torch.compile``
+with the ``aot_eager`` backend, the C++ CPU kernels in the models. Its numbers mean nothing; it
+exists so that ``tests/test_gpu_benchmark_script.py`` can check the script's logic without a GPU.
+Without ``--out`` a dry run prints its report and writes no file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+# --dry-run needs the interpreter chosen before Triton kernels are first imported.
+if "--dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import attnres_kernels as ak  # noqa: E402
+from attnres_kernels import reference  # noqa: E402
+
+EPS = 1e-6
+QUANTILES = [0.5, 0.2, 0.8]
+# Slack of the accuracy rule, relative to the oracle's magnitude (as tests/support.py's ATOL).
+SLACK = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+ERROR_FACTOR = 3.0
+
+
+# ---------------------------------------------------------------- environment
+
+
+@dataclass
+class Env:
+    """Where and how the benchmark runs."""
+
+    device: torch.device
+    dry_run: bool
+    rep_ms: int
+    compile_backend: str
+
+    def timer(self, fn: Callable) -> tuple:
+        """``(median, p20, p80)`` milliseconds of ``fn()``."""
+        if not self.dry_run:
+            import triton.testing
+
+            return tuple(triton.testing.do_bench(fn, rep=self.rep_ms, quantiles=QUANTILES))
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        times.sort()
+        return statistics.median(times), times[0], times[-1]
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def describe_environment(env: Env) -> dict:
+    info = {
+        "device": torch.cuda.get_device_name(env.device)
+        if env.device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "dry_run": env.dry_run,
+        "timer": "perf_counter (dry run)" if env.dry_run else f"triton.testing.do_bench(rep={env.rep_ms} ms)",
+        "torch.compile backend": env.compile_backend,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    info["attnres_kernels build"] = ak.build_info()
+    return info
+
+
+# ---------------------------------------------------------------- depth-read cases
+
+
+@dataclass(frozen=True)
+class ReadCase:
+    """One depth read: ``n`` sources ``[batch, seq, dim]`` of ``dtype`` read by ``q`` sites
+    (``q = 1``: a ``[D]`` query; more: ``[Q, D]`` parameters, one multi-query read)."""
+
+    n: int
+    batch: int
+    seq: int
+    dim: int
+    q: int
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def label(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"N={self.n} Q={self.q} M={self.rows} D={self.dim} {dtype}"
+
+    def floor_bytes(self, backward: bool) -> int:
+        """I/O floor: forward reads the N sources and writes Q outputs; the backward adds
+        one more read of the sources and of the Q output gradients and writes N gradients."""
+        units = self.n + self.q + (2 * self.n + self.q if backward else 0)
+        return units * self.rows * self.dim * torch.empty((), dtype=self.dtype).element_size()
+
+
+def read_cases(dry_run: bool, quick: bool) -> list:
+    if dry_run:
+        return [ReadCase(3, 1, 3, 16, 1, torch.bfloat16), ReadCase(3, 1, 2, 8, 2, torch.float32)]
+    bf16 = torch.bfloat16
+    cases = [ReadCase(n, 4, 2048, d, 1, bf16) for d in (1024, 4096) for n in (3, 9, 17, 33)]
+    cases += [ReadCase(n, 4, 2048, 2048, 4, bf16) for n in (4, 8)]  # multi-query: the Block phase-1 read
+    cases += [ReadCase(9, 4, 2048, 1024, 1, torch.float32)]
+    if quick:
+        cases = [cases[1], cases[4 + 1], cases[8]]
+    return cases
+
+
+def make_inputs(case: ReadCase, device: torch.device, seed: int = 0):
+    """Sources ``[batch, seq, dim]``, ``w`` and ``γ`` (``[D]`` or ``[Q, D]``, fp32) and an output gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (case.batch, case.seq, case.dim)
+    sources = [torch.randn(shape, generator=gen).to(device, case.dtype) for _ in range(case.n)]
+    site = (case.dim,) if case.q == 1 else (case.q, case.dim)
+    w = (2 / math.sqrt(case.dim) * torch.randn(site, generator=gen)).to(device)  # logits of a few units
+    gamma = (1 + 0.1 * torch.randn(site, generator=gen)).to(device)
+    out_shape = shape if case.q == 1 else (case.q, *shape)
+    grad_out = torch.randn(out_shape, generator=gen).to(device, case.dtype)
+    return sources, w, gamma, grad_out
+
+
+# ---------------------------------------------------------------- implementations
+
+
+class Skip(Exception):
+    """An implementation that cannot run this case (not installed, not built, out of its limits)."""
+
+
+@dataclass
+class Impl:
+    """A depth-read implementation: ``read(sources, w, gamma) -> [Q?, ..., D]`` (differentiable)."""
+
+    name: str
+    kind: str  # "ours", "baseline" or "peer"
+    make: Callable  # (case, env) -> read function; raises Skip when unavailable
+    note: str = ""
+
+
+def _ours(backend: str):
+    def make(case: ReadCase, env: Env):
+        try:
+            ak.ops.resolve_backend(backend, env.device, case.dim, case.dtype)
+        except ak.BackendUnavailableError as exc:
+            raise Skip(str(exc).split(": ", 1)[-1]) from None
+        return lambda sources, w, gamma: ak.depth_attention(w, sources, gamma, eps=EPS, backend=backend)
+
+    return make
+
+
+def _reference(case: ReadCase, env: Env):
+    return lambda sources, w, gamma: reference.depth_attention(w, sources, gamma, eps=EPS)
+
+
+def _compiled_reference(case: ReadCase, env: Env):
+    compiled = torch.compile(reference.depth_attention, backend=env.compile_backend, dynamic=False)
+    return lambda sources, w, gamma: compiled(w, sources, gamma, eps=EPS)
+
+
+def _import_peer(module: str, attr: str, package: str):
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        raise Skip(f"{package} is not installed ({exc})") from None
+    except AttributeError:
+        raise Skip(f"{package} is installed but has no {module}.{attr}") from None
+
+
+def _needs_cuda(env: Env, package: str) -> None:
+    if env.device.type != "cuda":
+        raise Skip(f"{package} runs on CUDA tensors only")
+
+
+def _per_site(read_one: Callable) -> Callable:
+    """A single-query peer API used for Q sites: Q calls (each rescans the sources), stacked."""
+
+    def read(sources, w, gamma):
+        if w.dim() == 1:
+            return read_one(sources, w, gamma)
+        return torch.stack([read_one(sources, w[k], gamma[k]) for k in range(w.shape[0])])
+
+    return read
+
+
+def _fla(case: ReadCase, env: Env):
+    """``fused_attnres(query, residuals, rms_weight, rms_eps=..., scale=1.0)``: the same math as
+    ours (``s_i = scale · <query, rmsnorm(v_i) ⊙ rms_weight>``); query = w, rms_weight = γ,
+    residuals = the list of sources (no stacking on our side), scale 1."""
+    fused_attnres = _import_peer("fla.ops.attnres", "fused_attnres", "fla-core")
+    _needs_cuda(env, "fla-core")
+    return _per_site(lambda sources, w, gamma: fused_attnres(w, list(sources), gamma, rms_eps=EPS, scale=1.0))
+
+
+def _liger(case: ReadCase, env: Env):
+    """``LigerAttnResFunction.apply(V, w_query, w_norm, eps)`` with ``V = stack(sources)`` ``[N, ..., D]``
+    (liger takes stacked values: the stack copy is part of its cost); w_query = w, w_norm = γ."""
+    fn = _import_peer("liger_kernel.ops.attn_res", "LigerAttnResFunction", "liger-kernel")
+    _needs_cuda(env, "liger-kernel")
+    return _per_site(lambda sources, w, gamma: fn.apply(torch.stack(list(sources)), w, gamma, EPS))
+
+
+def _fast_attnres(case: ReadCase, env: Env):
+    """``attnres(values, query, eps=..., scale=1.0)``: no key-norm weight (its logits are
+    ``rsqrt(mean(v²) + eps) · <query, v>``), so ``query = w ⊙ γ`` (folded inside the timed
+    call; gradients reach w and γ through the product); values = the list of sources."""
+    attnres = _import_peer("attnres", "attnres", "fast-attnres")
+    _needs_cuda(env, "fast-attnres")
+    if case.dtype not in (torch.bfloat16, torch.float32):
+        raise Skip("fast-attnres takes bf16 or fp32 values")
+    return _per_site(lambda sources, w, gamma: attnres(list(sources), w * gamma, eps=EPS, scale=1.0))
+
+
+def _flash_attn_res(case: ReadCase, env: Env):
+    """Phase 1 of flash-attn-res (the batched inter-block read of a block's S sites):
+    ``phase_1_batched_attention_triton_op(blocks [N, B, T, D], pseudo_queries [S, D], eps)``
+    returns (bf16 outputs ``[S, B, T, D]``, lse). It has no key-norm weight, so
+    ``pseudo_queries = w ⊙ γ``; the sources are stacked (its input is one tensor); it needs a
+    power-of-two D and writes bf16."""
+    op = _import_peer("flash_attn_res", "phase_1_batched_attention_triton_op", "flash-attn-res")
+    _needs_cuda(env, "flash-attn-res")
+    if case.dim & (case.dim - 1):
+        raise Skip("flash-attn-res needs a power-of-two D")
+    if case.dtype != torch.bfloat16:
+        raise Skip("flash-attn-res phase 1 writes bf16 outputs only")
+
+    def read(sources, w, gamma):
+        u = (w * gamma).reshape(-1, case.dim)
+        out, _lse = op(torch.stack(list(sources)), u, EPS)
+        return out[0] if w.dim() == 1 else out
+
+    return read
+
+
+IMPLS = [
+    Impl("triton (ours)", "ours", _ours("triton")),
+    Impl("cuda (ours)", "ours", _ours("cuda")),
+    Impl("reference, eager", "baseline", _reference),
+    Impl("reference, torch.compile", "baseline", _compiled_reference),
+    Impl("fla fused_attnres", "peer", _fla, "Q > 1: one call per site"),
+    Impl("liger attn_res", "peer", _liger, "stacked V; Q > 1: one call per site"),
+    Impl("fast-attnres", "peer", _fast_attnres, "query = w ⊙ γ; Q > 1: one call per site"),
+    Impl("flash-attn-res phase 1", "peer", _flash_attn_res, "pseudo-queries = w ⊙ γ; stacked sources"),
+]
+PEERS = {impl.name: impl.make.__doc__ for impl in IMPLS if impl.kind == "peer"}
+
+
+# ---------------------------------------------------------------- accuracy
+
+
+def _leaves(sources, w, gamma):
+    return (
+        [s.detach().clone().requires_grad_() for s in sources],
+        w.detach().clone().requires_grad_(),
+        (gamma.detach().clone().requires_grad_()),
+    )
+
+
+def run_with_grads(read: Callable, sources, w, gamma, grad_out, dtype=None):
+    """Output and gradients (sources concatenated, w, γ) of one read, inputs cast to ``dtype``."""
+    if dtype is not None:
+        sources, w, gamma, grad_out = [s.to(dtype) for s in sources], w.to(dtype), gamma.to(dtype), grad_out.to(dtype)
+    sources, w, gamma = _leaves(sources, w, gamma)
+    out = read(sources, w, gamma)
+    leaves = [*sources, w, gamma]
+    grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]  # an ignored input: zeros
+    d_sources = torch.cat([g.flatten() for g in grads[:-2]])
+    return {"out": out.detach(), "d_sources": d_sources, "d_w": grads[-2], "d_gamma": grads[-1]}
+
+
+@dataclass
+class Accuracy:
+    ok: bool
+    errors: dict  # name -> max abs error / max |oracle|
+    reference_errors: dict  # the same for the eager reference in the input precision
+
+
+def check_accuracy(read: Callable, case: ReadCase, inputs, oracle: dict, same_precision: dict) -> Accuracy:
+    got = run_with_grads(read, *inputs)
+    errors, reference_errors, ok = {}, {}, True
+    for name, want in oracle.items():
+        scale = want.abs().max().item()
+        err = (got[name].float() - want).abs().max().item()
+        base = (same_precision[name].float() - want).abs().max().item()
+        slack = SLACK.get(case.dtype, 1e-5) * (1.0 + scale)
+        ok = ok and got[name].shape == want.shape and err <= ERROR_FACTOR * base + slack
+        errors[name] = err / max(scale, 1e-30)
+        reference_errors[name] = base / max(scale, 1e-30)
+    return Accuracy(ok, errors, reference_errors)
+
+
+# ---------------------------------------------------------------- depth-read benchmark
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    kind: str
+    status: str  # "ok", "FAIL" (accuracy), "skipped: ...", "error: ..."
+    fwd_ms: tuple | None = None
+    fwd_bwd_ms: tuple | None = None
+    fwd_gbps: float | None = None
+    fwd_bwd_gbps: float | None = None
+    accuracy: dict = field(default_factory=dict)
+
+
+def bench_case(case: ReadCase, env: Env, impls: list) -> tuple:
+    """Times every implementation on one case; returns (rows, copy GB/s)."""
+    sources, w, gamma, grad_out = make_inputs(case, env.device)
+    inputs = (sources, w, gamma, grad_out)
+    oracle = run_with_grads(_reference(case, env), *inputs, dtype=torch.float32)
+    same_precision = run_with_grads(_reference(case, env), *inputs)
+    # Bandwidth reference: a copy into a reused buffer moving the forward's floor in bytes.
+    copy_src = torch.empty(case.floor_bytes(backward=False) // 2, dtype=torch.uint8, device=env.device)
+    copy_dst = torch.empty_like(copy_src)
+    copy_ms = env.timer(lambda: copy_dst.copy_(copy_src))
+    copy_gbps = 2 * copy_src.numel() / copy_ms[0] / 1e6
+    rows = []
+    for impl in impls:
+        row = Row(case.label, impl.name, impl.kind, "ok")
+        try:
+            read = impl.make(case, env)
+            accuracy = check_accuracy(read, case, inputs, oracle, same_precision)
+            row.accuracy = {"errors": accuracy.errors, "reference_errors": accuracy.reference_errors}
+            row.status = "ok" if accuracy.ok else "FAIL"
+            leaves = _leaves(sources, w, gamma)
+            with torch.no_grad():
+                row.fwd_ms = env.timer(lambda: read(*leaves))
+
+            def fwd_bwd():
+                out = read(*leaves)
+                return torch.autograd.grad(out, [*leaves[0], leaves[1], leaves[2]], grad_out.to(out.dtype))
+
+            row.fwd_bwd_ms = env.timer(fwd_bwd)
+            row.fwd_gbps = case.floor_bytes(False) / row.fwd_ms[0] / 1e6
+            row.fwd_bwd_gbps = case.floor_bytes(True) / row.fwd_bwd_ms[0] / 1e6
+        except Skip as exc:
+            row.status = f"skipped: {exc}"
+        except Exception as exc:  # a peer that breaks must not stop the benchmark: reported as an error
+            row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        rows.append(row)
+        env.synchronize()
+    return rows, copy_gbps
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    layers_per_block: int
+
+
+def model_config(dry_run: bool, batch: int) -> ModelConfig:
+    if dry_run:
+        return ModelConfig(vocab=32, d_model=16, layers=2, heads=2, seq=4, batch=1, layers_per_block=1)
+    return ModelConfig(vocab=32000, d_model=1024, layers=12, heads=16, seq=1024, batch=batch, layers_per_block=2)
+
+
+def build_model(name: str, cfg: ModelConfig, backend: str) -> torch.nn.Module:
+    common = dict(vocab_size=cfg.vocab, d_model=cfg.d_model, n_layers=cfg.layers, n_heads=cfg.heads, backend=backend)
+    if name == "Standard":
+        return ak.nn.StandardTransformer(**common)
+    if name == "Full":
+        return ak.nn.FullAttnResTransformer(**common)
+    return ak.nn.BlockAttnResTransformer(**common, layers_per_block=cfg.layers_per_block)
+
+
+@dataclass
+class ModelRow:
+    model: str
+    depth_read: str
+    status: str
+    step_ms: tuple | None = None
+    tokens_per_s: float | None = None
+    peak_mib: float | None = None
+
+
+def _train_step(name: str, cfg: ModelConfig, backend: str, device: torch.device) -> Callable:
+    """One AdamW step of a fresh model on a fixed batch, under bf16 autocast."""
+    torch.manual_seed(0)
+    model = build_model(name, cfg, backend).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    idx = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), device=device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = model(idx[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def bench_models(cfg: ModelConfig, env: Env) -> list:
+    """One AdamW step per model and depth-read backend, under bf16 autocast. The fused reads use
+    ``backend="auto"`` on a GPU; a dry run asks for ``"triton"`` (the interpreter), the backend
+    "auto" picks on a GPU."""
+    fused = "triton" if env.dry_run else "auto"
+    rows = []
+    for name, backend in [
+        ("Standard", fused),
+        ("Full", fused),
+        ("Full", "reference"),
+        ("Block", fused),
+        ("Block", "reference"),
+    ]:
+        label = "-" if name == "Standard" else backend
+        if backend != "reference" and name != "Standard":
+            label = ak.ops.resolve_backend(backend, env.device, cfg.d_model, torch.bfloat16)
+        row = ModelRow(name, label, "ok")
+        try:
+            step = _train_step(name, cfg, backend, env.device)
+            step()
+            if env.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(env.device)
+            row.step_ms = env.timer(step)
+            row.tokens_per_s = cfg.batch * cfg.seq / row.step_ms[0] * 1e3
+            if env.device.type == "cuda":
+                row.peak_mib = torch.cuda.max_memory_allocated(env.device) / 2**20
+            step = None  # frees the model before the next one is built
+        except Exception as exc:  # e.g. out of memory on a small GPU: reported, the rest still runs
+            row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        rows.append(row)
+        if env.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- report
+
+
+def _ms(t) -> str:
+    return "–" if t is None else f"{t[0]:.3f} ({t[1]:.3f}–{t[2]:.3f})"
+
+
+def _gbps(x) -> str:
+    return "–" if x is None else f"{x:.3g}"
+
+
+def _ratio(a, b) -> str:
+    return "–" if a is None or b is None else f"{b[0] / a[0]:.2f}×"
+
+
+def markdown(env_info: dict, read_rows: list, copies: dict, model_rows: list, cfg: ModelConfig | None) -> str:
+    lines = ["# GPU benchmark" + (" (DRY RUN on CPU: numbers are meaningless)" if env_info["dry_run"] else ""), ""]
+    lines += [f"- {k}: {v}" for k, v in env_info.items()]
+    lines += [
+        "",
+        "## Depth read",
+        "",
+        "Times in ms: median (20 %–80 % quantiles). GB/s: the I/O floor (forward: N sources read, Q outputs",
+        "written; forward+backward adds a second read of the sources and of the output gradients and the N",
+        "source gradients) over the median time; `copy` is a device copy of the forward's floor in bytes into a",
+        "reused buffer. Speed-ups are over the eager reference and over `torch.compile` of it. Accuracy: max",
+        "error / max |oracle| against an fp32 oracle, worst of output and gradients, next to the eager",
+        "reference's in the input precision; FAIL = more than 3x the reference's error plus slack.",
+        "",
+    ]
+    for case, rows in read_rows.items():
+        eager = next((r for r in rows if r.impl == "reference, eager" and r.fwd_ms), None)
+        compiled = next((r for r in rows if r.impl == "reference, torch.compile" and r.fwd_ms), None)
+        lines += [f"### {case} (copy: {_gbps(copies[case])} GB/s)", ""]
+        lines += [
+            "| implementation | status | fwd ms | fwd GB/s | fwd ×eager | fwd ×compile | fwd+bwd ms | fwd+bwd GB/s "
+            "| fwd+bwd ×eager | fwd+bwd ×compile | error (ref) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            err = "–"
+            if r.accuracy:
+                err = f"{max(r.accuracy['errors'].values()):.1e} ({max(r.accuracy['reference_errors'].values()):.1e})"
+            lines.append(
+                f"| {r.impl} | {r.status} | {_ms(r.fwd_ms)} | {_gbps(r.fwd_gbps)} | "
+                f"{_ratio(r.fwd_ms, eager.fwd_ms if eager else None)} | "
+                f"{_ratio(r.fwd_ms, compiled.fwd_ms if compiled else None)} | {_ms(r.fwd_bwd_ms)} | "
+                f"{_gbps(r.fwd_bwd_gbps)} | {_ratio(r.fwd_bwd_ms, eager.fwd_bwd_ms if eager else None)} | "
+                f"{_ratio(r.fwd_bwd_ms, compiled.fwd_bwd_ms if compiled else None)} | {err} |"
+            )
+        lines.append("")
+    lines += ["## How the peers are called", ""]
+    lines += [f"- **{name}**: {' '.join(doc.split())}" for name, doc in PEERS.items()]
+    if cfg is not None:
+        lines += [
+            "",
+            "## Training step",
+            "",
+            f"AdamW step under bf16 autocast: d={cfg.d_model}, L={cfg.layers}, heads={cfg.heads}, T={cfg.seq}, "
+            f"batch {cfg.batch}, vocab {cfg.vocab}, Block with {cfg.layers_per_block} layers per block.",
+            "",
+            "| model | depth read | status | ms/step | × Standard | tokens/s | peak MiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        standard = next((r for r in model_rows if r.model == "Standard" and r.step_ms), None)
+        for r in model_rows:
+            ratio = "–" if standard is None or r.step_ms is None else f"{r.step_ms[0] / standard.step_ms[0]:.2f}×"
+            peak = "–" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+            tps = "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}"
+            lines.append(f"| {r.model} | {r.depth_read} | {r.status} | {_ms(r.step_ms)} | {ratio} | {tps} | {peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    return obj
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the same code (no GPU needed)")
+    parser.add_argument("--out", default=None, help="directory for gpu.md / gpu.json (default: benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="three depth-read cases instead of the full sweep")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement, ms")
+    parser.add_argument("--skip-models", action="store_true", help="skip the model training-step benchmark")
+    parser.add_argument("--model-batch", type=int, default=4)
+    parser.add_argument("--only", nargs="*", default=None, help="run only these implementations (names as listed)")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run to exercise the script on CPU", file=sys.stderr)
+        return 2
+    env = Env(
+        device=torch.device("cpu" if args.dry_run else "cuda"),
+        dry_run=args.dry_run,
+        rep_ms=args.rep,
+        compile_backend="aot_eager" if args.dry_run else "inductor",
+    )
+    impls = [i for i in IMPLS if args.only is None or i.name in args.only]
+    env_info = describe_environment(env)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = lambda x, **_: x
+    read_rows, copies = {}, {}
+    for case in tqdm(read_cases(args.dry_run, args.quick), desc="depth read"):
+        read_rows[case.label], copies[case.label] = bench_case(case, env, impls)
+    cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
+    model_rows = bench_models(cfg, env) if cfg is not None else []
+    report = markdown(env_info, read_rows, copies, model_rows, cfg)
+    result = {
+        "environment": env_info,
+        "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
+        "copy_gbps": copies,
+        "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
+    }
+    out_dir = (
+        args.out if args.out is not None else (None if args.dry_run else os.path.join(ROOT, "benchmarks", "results"))
+    )
+    if out_dir is None:
+        print(report)
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu.md"), "w") as f:
+        f.write(report)
+    with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+        json.dump(_jsonable(result), f, indent=1)
+    print(report)
+    print(f"wrote {os.path.join(out_dir, 'gpu.md')} and gpu.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
