@@ -1,10 +1,10 @@
 // Op schemas of the `attnres` namespace.
 //
 // The schemas live here, the kernels in csrc/cpu (and later csrc/cuda) register
-// implementations with TORCH_LIBRARY_IMPL. The autograd of depth_attn_fwd is
-// registered in C++ (csrc/autograd); fake (meta) kernels, the differentiable
-// backward used for double backward, and the autograd of the other ops are
-// registered from Python (attnres_kernels/ops/_registration.py).
+// implementations with TORCH_LIBRARY_IMPL. The autograd of depth_attn_fwd and
+// block_step_fwd is registered in C++ (csrc/autograd); fake (meta) kernels, the
+// differentiable backwards used for double backward, and the autograd of the
+// other ops are registered from Python (attnres_kernels/ops/_registration.py).
 #include <torch/library.h>
 
 #include <string>
@@ -31,6 +31,30 @@ TORCH_LIBRARY(attnres, m) {
       "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
       "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
       "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The fused residual step of two-phase Block AttnRes: new_partial = partial +
+  // update (update alone without partial), then the merge of the next site's
+  // prefix read (h_a, lse_a) with the one source new_partial, optionally
+  // followed by the output RMSNorm. query / norm_weight / out_norm_weight are
+  // one site's [D]. Returns (new_partial, out, lse, logit, rinv).
+  m.def(
+      "block_step_fwd(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, "
+      "Tensor prefix_lse, Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Returns (grad_new_partial (the total: incoming + the read's), grad_query,
+  // grad_norm_weight, grad_prefix_out, grad_prefix_lse, grad_out_norm_weight).
+  m.def(
+      "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
+      "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
+      "Tensor logit, Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The gradients of block_step_fwd as a differentiable function of new_partial,
+  // the site parameters, the prefix and the incoming gradients, for a backward
+  // with create_graph=True (like depth_attn_bwd_differentiable; implemented in
+  // Python). Returns the gradients of new_partial (the total), query,
+  // norm_weight, prefix_out, prefix_lse and out_norm_weight; inputs that are
+  // absent or do not require grad get an empty tensor.
+  m.def(
+      "block_step_bwd_differentiable(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, "
+      "Tensor new_partial, Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, "
+      "Tensor? out_norm_weight, float eps) -> Tensor[]");
   // Fused attention (DESIGN.md §2.4): q [B, H, Tq, Dh], k/v [B, Hkv, Tk, Dh] (H % Hkv == 0),
   // key_padding_mask bool [B, Tk] (True = a real key). Returns out [B, H, Tq, Dh] (q's dtype) and
   // lse [B, H, Tq] (fp32; fp64 for fp64 inputs; -inf for a row that sees no key).

@@ -227,7 +227,7 @@ def test_double_backward_is_exact(backend):
 def test_opcheck(backend, causal, masked):
     q, k, v = make_qkv(2, 4, 2, 5, 7, 8, torch.float32)
     mask = make_mask(2, 7) if masked else None
-    fwd, bwd = ops._dispatch.fused_op(backend, "attn_fwd"), ops._dispatch.fused_op(backend, "attn_bwd")
+    fwd, bwd = (ops._dispatch.fused_op(backend, name, q.device) for name in ("attn_fwd", "attn_bwd"))
     args = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), mask, causal, 0.4)
     torch.library.opcheck(fwd, args)
     with torch.no_grad():

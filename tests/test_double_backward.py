@@ -105,3 +105,21 @@ def test_first_order_backward_runs_the_fused_kernel():
 
     called = attnres_ops_called(backward)
     assert "attnres::depth_attn_bwd" in called and "attnres::depth_attn_bwd_differentiable" not in called
+
+
+def test_create_graph_gradients_when_inputs_depend_on_each_other():
+    """norm_weight computed from the query, sources from one tensor: the gradients made with
+    create_graph=True are partial derivatives per input (as the fused kernel's), not total
+    derivatives through the other inputs."""
+    x, w = _f64(3, 4), _f64(4)
+
+    def fn(x, w):
+        return ak.depth_attention(w, [x.sin(), 2 * x], w.exp(), return_lse=True, backend="cpu")
+
+    outs = fn(x, w)
+    weights = [torch.randn_like(o) for o in outs]
+    plain = torch.autograd.grad(outs, (x, w), weights, retain_graph=True)
+    with_graph = torch.autograd.grad(outs, (x, w), weights, create_graph=True)
+    for a, b in zip(plain, with_graph):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert torch.autograd.gradgradcheck(fn, (x, w))

@@ -8,6 +8,7 @@ import torch
 import attnres_kernels as ak
 from attnres_kernels import reference
 from attnres_kernels.nn import layers as nn_layers
+from attnres_kernels.ops import _dispatch
 
 from support import attnres_ops_called
 
@@ -216,12 +217,14 @@ def test_two_phase_block_calls_a_fused_block_step_with_its_schema(monkeypatch):
         )
         return new_partial, out, lse, torch.zeros_like(lse), torch.zeros_like(lse)
 
-    original_fused_op = nn_layers._dispatch.fused_op
+    original_fused_op = _dispatch.fused_op
     monkeypatch.setattr(nn_layers, "fused_step_backend", lambda depth: depth)
     monkeypatch.setattr(
-        nn_layers._dispatch,
+        _dispatch,
         "fused_op",
-        lambda backend, name: fake_block_step_fwd if name == "block_step_fwd" else original_fused_op(backend, name),
+        lambda backend, name, device: (
+            fake_block_step_fwd if name == "block_step_fwd" else original_fused_op(backend, name, device)
+        ),
     )
     ref = perturbed(reference.BlockAttnResTransformer(VOCAB, D, 5, HEADS, layers_per_block=2))
     model = ak.nn.BlockAttnResTransformer(

@@ -40,7 +40,7 @@ DEPTH_FUSED = [b for b in ak.available_backends("cpu", 64) if b != "reference"]
 def _defines_attention(backend: str) -> bool:
     """Whether the backend's attention op exists yet (the fused kernels are being written)."""
     try:
-        fused_op(backend, "attn_fwd")
+        fused_op(backend, "attn_fwd", torch.device("cpu"))
     except (AttributeError, RuntimeError):
         return False
     return True

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import ops, reference
-from ..ops import _dispatch, _native
+from .. import ops
+from ..ops import _native
+from ..ops.block_step import step_unchecked
 from ..ops.depth import read_unchecked
 from ..reference import models as ref
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
@@ -187,8 +188,9 @@ def phase2_step(backends: Backends, partial, update, site: DepthAttentionSite, p
     with the new sum, PreNorm fused): ``(new_partial, x)``, fused when the backend has
     the Block-step kernel."""
     prefix_out, prefix_lse = prefix
-    if backends.step == "reference":
-        return reference.block_step(
+    if backends.step is not None:
+        return step_unchecked(
+            backends.step,
             partial,
             update,
             site.query,
@@ -198,11 +200,6 @@ def phase2_step(backends: Backends, partial, update, site: DepthAttentionSite, p
             eps=eps,
             out_norm_weight=out_norm_weight,
         )
-    if backends.step is not None:
-        new_partial, out, *_ = _dispatch.fused_op(backends.step, "block_step_fwd")(
-            partial, update, site.query, site.norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
-        )
-        return new_partial, out
     new_partial = update if partial is None else partial + update
     return new_partial, merge_read(backends, prefix, [new_partial], site, out_norm_weight, eps)
 

@@ -28,19 +28,20 @@ the site parameters, the prefix when given, and the fp32/fp64 per-row scalars
 
 Attention and the Block step follow below, each with its schema.
 
-Autograd of the depth read. The C++ ops ``attnres::depth_attn_fwd`` have their
-autograd in C++ (``csrc/autograd``, registered for the Autograd dispatch key,
-serving the CPU and CUDA kernels alike): a Python autograd wrapper costs more
-than the kernels of a small read. Every other forward op (the Triton
-namespace, attention, the Block step) gets the Python autograd below.
+Autograd. The C++ ops ``attnres::depth_attn_fwd`` and ``attnres::block_step_fwd``
+have their autograd in C++ (``csrc/autograd``, registered for the Autograd
+dispatch key, serving the CPU and CUDA kernels alike): a Python autograd wrapper
+costs more than the kernels of a small read. Every other forward op (the Triton
+namespace, attention) gets the Python autograd below.
 
 Higher-order gradients. The fused backward kernels are not themselves
 differentiable. When a backward runs with ``create_graph=True`` (grad mode on
 inside the backward), the gradients are computed instead by autograd through
 the plain-PyTorch reference, as a differentiable function of the saved inputs
-(:func:`differentiable_grads`; for the C++ autograd through the op
-``attnres::depth_attn_bwd_differentiable``, implemented here): double backward
-is then exact, on every backend, at the reference's cost.
+(:func:`differentiable_grads`; the C++ autograd reaches it through the ops
+``attnres::depth_attn_bwd_differentiable`` and ``attnres::block_step_bwd_differentiable``,
+implemented here): double backward is then exact, on every backend, at the
+reference's cost.
 """
 
 from __future__ import annotations
@@ -57,10 +58,19 @@ def differentiable_grads(fn, inputs: list, grad_outputs: list) -> list:
     (``create_graph=True``), ``None`` for inputs that do not require grad.
 
     ``inputs`` is a flat list of tensors (or None); ``fn`` maps it to a tuple of
-    outputs matching ``grad_outputs`` (None entries are skipped)."""
-    with torch.enable_grad():
-        outputs = fn(inputs)
+    outputs matching ``grad_outputs`` (None entries are skipped).
+
+    It differentiates w.r.t. aliases (``view_as``) of the inputs, not the inputs
+    themselves, so that the nested backward stops at the aliases. Differentiating
+    w.r.t. an input itself would run every node between the outputs and it:
+    through an input computed from another input (a total instead of a partial
+    derivative), and, for the Block step, whose saved ``new_partial`` is the op's
+    own output, through the very node whose backward is running, which would
+    call this again without end."""
     wrt = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    with torch.enable_grad():
+        inputs = [x.view_as(x) if i in wrt else x for i, x in enumerate(inputs)]
+        outputs = fn(inputs)
     pairs = [(o, g) for o, g in zip(outputs, grad_outputs) if g is not None and o.requires_grad]
     result = [None] * len(inputs)
     if not wrt or not pairs:
@@ -349,10 +359,34 @@ def reference_block_step_fwd(partial, update, query, norm_weight, prefix_out, pr
     )
 
 
-def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
-    """Fake kernels of both Block-step ops and the Python autograd of the forward."""
+def register_block_step_fakes(fwd_name: str, bwd_name: str) -> None:
     torch.library.register_fake(fwd_name)(fake_block_step_fwd)
     torch.library.register_fake(bwd_name)(fake_block_step_bwd)
+
+
+def differentiable_block_step_bwd(
+    grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps
+):
+    """``attnres::block_step_bwd_differentiable``: the gradients of ``block_step_fwd``,
+    differentiable (by autograd through the reference). The read depends on the addends
+    only through their sum, so the reference reads the saved ``new_partial`` as its one
+    source; its gradient plus ``grad_new_partial`` is the total. Returns the gradients of
+    new_partial, query, norm_weight, prefix_out, prefix_lse and out_norm_weight; an empty
+    tensor for an input that is absent or does not require grad."""
+    d_new, *grads = differentiable_grads(
+        lambda x: reference_block_step_fwd(None, *x, eps),
+        [new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
+        [None, grad_out, grad_lse],
+    )
+    if grad_new_partial is not None:
+        d_new = grad_new_partial if d_new is None else d_new + grad_new_partial
+    return [g if g is not None else new_partial.new_empty((0,)) for g in (d_new, *grads)]
+
+
+def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
+    """Python autograd of a Block-step forward op (``bwd_op`` computes its gradients).
+    The C++ op ``attnres::block_step_fwd`` has a native autograd of the same
+    semantics instead (csrc/autograd/block_step_autograd.cpp): this one costs ~1 ms per call."""
 
     def setup_context(ctx, inputs, output):
         partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs
@@ -365,41 +399,40 @@ def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
 
     def backward(ctx, grad_new_partial, grad_out, grad_lse, _grad_logit, _grad_rinv):
         new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv = ctx.saved_tensors
+        params = (query, norm_weight, prefix_out, prefix_lse, out_norm_weight)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
-            # The read depends on the addends only through their sum new_partial.
-            d_new, *grads = differentiable_grads(
-                lambda x: reference_block_step_fwd(None, *x, ctx.eps),
-                [new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
-                [None, grad_out, grad_lse],
-            )
-            d_new = d_new if d_new is not None else torch.zeros_like(new_partial)
-            grad_total = d_new + grad_new_partial if grad_new_partial is not None else d_new
+            grads = differentiable_block_step_bwd(grad_new_partial, grad_out, grad_lse, new_partial, *params, ctx.eps)
+            grads = [g if t is not None and t.requires_grad else None for g, t in zip(grads, (new_partial, *params))]
         else:
-            grad_total, *grads = bwd_op(
-                grad_new_partial,
-                grad_out,
-                grad_lse,
-                new_partial,
-                query,
-                norm_weight,
-                prefix_out,
-                prefix_lse,
-                out_norm_weight,
-                logit,
-                rinv,
-                ctx.eps,
-            )
-        grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g = grads
+            grads = bwd_op(grad_new_partial, grad_out, grad_lse, new_partial, *params, logit, rinv, ctx.eps)
+            grads = [g if t is not None else None for g, t in zip(grads, (new_partial, *params))]
+        grad_total, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g = grads
         partial_dtype, update_dtype = ctx.addend_dtypes
+        to = lambda dtype: grad_total.to(dtype) if grad_total is not None and dtype is not None else None
         return (
-            grad_total.to(partial_dtype) if partial_dtype is not None else None,
-            grad_total.to(update_dtype),
+            to(partial_dtype),
+            to(update_dtype),
             grad_query,
-            grad_norm if norm_weight is not None else None,
+            grad_norm,
             grad_prefix_out,
             grad_prefix_lse,
-            grad_g if out_norm_weight is not None else None,
+            grad_g,
             None,
         )
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
+
+
+def register_native_block_step_ops(namespace: str = "attnres") -> None:
+    """Python parts of a C++ Block step whose autograd is registered in C++: the fake
+    kernels and the differentiable backward its double backward calls."""
+    register_block_step_fakes(f"{namespace}::block_step_fwd", f"{namespace}::block_step_bwd")
+    torch.library.impl(f"{namespace}::block_step_bwd_differentiable", "CompositeImplicitAutograd")(
+        differentiable_block_step_bwd
+    )
+
+
+def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+    """Fake kernels of both Block-step ops and the Python autograd of the forward."""
+    register_block_step_fakes(fwd_name, bwd_name)
+    register_block_step_autograd(fwd_name, bwd_op)

@@ -12,17 +12,67 @@ from torch import Tensor
 from .. import reference
 from .._validation import accumulation_dtype, check_block_step, check_depth_read, check_prefix, promoted_dtype
 from . import _dispatch, _native
-from ._registration import register_block_step_ops
+from ._registration import register_native_block_step_ops
 
 if _native.defines("block_step_fwd"):
-    register_block_step_ops(
-        "attnres::block_step_fwd", "attnres::block_step_bwd", torch.ops.attnres.block_step_bwd.default
+    # The C++ op brings its own autograd (csrc/autograd); Python adds the fake kernels
+    # and the differentiable backward of its double backward.
+    register_native_block_step_ops()
+
+
+def _limit(dim: int, acc: torch.dtype):
+    def limit(backend: str) -> str | None:
+        if backend == "triton":
+            from .. import triton as triton_backend
+
+            if dim > triton_backend.max_dim(acc):
+                return (
+                    f"the Triton Block step supports D <= {triton_backend.max_dim(acc)} for {acc} math, got D = {dim}"
+                )
+        return None
+
+    return limit
+
+
+def resolve_backend(backend: str, device: torch.device, dim: int, acc: torch.dtype = torch.float32) -> str:
+    """The backend that will run a Block step of width ``dim`` with ``acc`` accumulation on ``device``."""
+    return _dispatch.resolve(backend, device, "block_step_fwd", _limit(dim, acc), what=f" (D = {dim}, {acc} math)")
+
+
+def step_unchecked(
+    backend: str,
+    partial: Tensor | None,
+    update: Tensor,
+    query: Tensor,
+    prefix_out: Tensor,
+    prefix_lse: Tensor,
+    norm_weight: Tensor | None = None,
+    *,
+    eps: float = 1e-6,
+    out_norm_weight: Tensor | None = None,
+    return_lse: bool = False,
+):
+    """A Block step without argument checks, for modules that already guarantee what
+    :func:`block_step` checks (addends of one shape and device, supported dtypes, one
+    site's ``[D]`` parameters, ``prefix_lse`` in the accumulation dtype) and that resolved
+    ``backend`` once (:func:`resolve_backend`; ``"auto"`` is not accepted here). Same
+    results as :func:`block_step`."""
+    if backend == "reference":
+        return reference.block_step(
+            partial,
+            update,
+            query,
+            prefix_out,
+            prefix_lse,
+            norm_weight,
+            eps=eps,
+            out_norm_weight=out_norm_weight,
+            return_lse=return_lse,
+        )
+    new_partial, out, lse, _, _ = _dispatch.fused_op(backend, "block_step_fwd", update.device)(
+        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
     )
-
-
-def resolve_backend(backend: str, device: torch.device, dim: int) -> str:
-    """The backend that will run a Block step of width ``dim`` on ``device``."""
-    return _dispatch.resolve(backend, device, "block_step_fwd", what=f" (D = {dim})")
+    return (new_partial, out, lse) if return_lse else (new_partial, out)
 
 
 def block_step(
@@ -40,27 +90,25 @@ def block_step(
 ):
     """``partial + update`` and the next site's merge read in one pass over each row;
     same arguments and results as :func:`attnres_kernels.reference.block_step`, plus
-    ``backend``. ``query``, ``norm_weight`` and ``out_norm_weight`` are one site's ``[D]``."""
+    ``backend``. ``query``, ``norm_weight`` and ``out_norm_weight`` are one site's ``[D]``.
+    Gradients flow to both addends (each in its own dtype), the site parameters and the
+    prefix; autograd keeps ``new_partial`` for the backward, never the addends."""
     check_block_step(partial, update)
-    if query.dim() != 1:
-        raise ValueError(f"`query` of a Block step is one site's [D], got shape {tuple(query.shape)}")
     args = check_depth_read(query, [update], norm_weight, out_norm_weight, eps)
+    if args.multi_query:
+        raise ValueError(f"`query` of a Block step is one site's [D], got shape {tuple(query.shape)}")
     check_prefix(args, prefix_out, prefix_lse)
-    chosen = resolve_backend(backend, update.device, update.shape[-1])
-    if chosen == "reference":
-        return reference.block_step(
-            partial,
-            update,
-            query,
-            prefix_out,
-            prefix_lse,
-            norm_weight,
-            eps=eps,
-            out_norm_weight=out_norm_weight,
-            return_lse=return_lse,
-        )
     acc = accumulation_dtype(promoted_dtype([partial, update, prefix_out]))
-    new_partial, out, lse, _, _ = _dispatch.fused_op(chosen, "block_step_fwd", update.device)(
-        partial, update, query, norm_weight, prefix_out, prefix_lse.to(acc), out_norm_weight, float(eps)
+    chosen = resolve_backend(backend, update.device, update.shape[-1], acc)
+    return step_unchecked(
+        chosen,
+        partial,
+        update,
+        query,
+        prefix_out,
+        prefix_lse if chosen == "reference" else prefix_lse.to(acc),
+        norm_weight,
+        eps=eps,
+        out_norm_weight=out_norm_weight,
+        return_lse=return_lse,
     )
-    return (new_partial, out, lse) if return_lse else (new_partial, out)

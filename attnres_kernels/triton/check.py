@@ -37,7 +37,11 @@ from triton.runtime.jit import create_function_from_signature
 
 # Modules whose ``aot_launches(dtype)`` lists every launch (an :class:`AotLaunch`
 # per kernel × configuration the dispatcher can choose) of one op family.
-AOT_FAMILIES = ("attnres_kernels.triton.launch", "attnres_kernels.triton.attention_launch")
+AOT_FAMILIES = (
+    "attnres_kernels.triton.launch",
+    "attnres_kernels.triton.attention_launch",
+    "attnres_kernels.triton.block_step",
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 PTXAS_LINE = re.compile(r"Used (\d+) registers")

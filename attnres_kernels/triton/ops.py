@@ -1,5 +1,6 @@
 """The Triton kernels as torch.library custom ops: ``attnres_triton::depth_attn_{fwd,bwd}``
-(depth read) and ``attnres_triton::attn_{fwd,bwd}`` (attention).
+(depth read), ``attnres_triton::attn_{fwd,bwd}`` (attention) and
+``attnres_triton::block_step_{fwd,bwd}`` (the fused Block step).
 
 They take the same schemas as the C++ ops (see
 :mod:`attnres_kernels.ops._registration`, which also supplies their fake
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops._registration import register_attention_ops, register_depth_attn_ops
-from . import attention_launch, launch
+from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
+from . import attention_launch, block_step, launch
 
 FWD_SCHEMA = (
     "(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
@@ -36,15 +37,22 @@ _lib.define("depth_attn_fwd" + FWD_SCHEMA)
 _lib.define("depth_attn_bwd" + BWD_SCHEMA)
 _lib.define("attn_fwd" + ATTN_FWD_SCHEMA)
 _lib.define("attn_bwd" + ATTN_BWD_SCHEMA)
+_lib.define("block_step_fwd" + block_step.FWD_SCHEMA)
+_lib.define("block_step_bwd" + block_step.BWD_SCHEMA)
 for _device in ("CPU", "CUDA"):
     _lib.impl("depth_attn_fwd", launch.depth_attn_fwd, _device)
     _lib.impl("depth_attn_bwd", launch.depth_attn_bwd, _device)
     _lib.impl("attn_fwd", attention_launch.attn_fwd, _device)
     _lib.impl("attn_bwd", attention_launch.attn_bwd, _device)
+    _lib.impl("block_step_fwd", block_step.block_step_fwd, _device)
+    _lib.impl("block_step_bwd", block_step.block_step_bwd, _device)
 
 register_depth_attn_ops(
     "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", torch.ops.attnres_triton.depth_attn_bwd.default
 )
 register_attention_ops(
     "attnres_triton::attn_fwd", "attnres_triton::attn_bwd", torch.ops.attnres_triton.attn_bwd.default
+)
+register_block_step_ops(
+    "attnres_triton::block_step_fwd", "attnres_triton::block_step_bwd", torch.ops.attnres_triton.block_step_bwd.default
 )
