@@ -1,5 +1,6 @@
 """Drop-in modules backed by the fused kernels: sites, layers that own their depth
-reads, the Full/Block depth states and the Standard, Full and Block AttnRes models."""
+reads, the Full/Block depth states, the Standard, Full and Block AttnRes models, and
+what crosses a pipeline-stage boundary (:mod:`attnres_kernels.nn.pipeline`)."""
 
 from .layers import (
     BlockAttnResLayer,
@@ -16,6 +17,7 @@ from .models import (
     FullAttnResTransformer,
     StandardTransformer,
 )
+from .pipeline import boundary_layout, pack_boundary, pipeline_cuts, unpack_boundary
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 __all__ = [
@@ -33,4 +35,8 @@ __all__ = [
     "ShardedSiteError",
     "StandardLayer",
     "StandardTransformer",
+    "boundary_layout",
+    "pack_boundary",
+    "pipeline_cuts",
+    "unpack_boundary",
 ]
