@@ -1,6 +1,8 @@
 """Drop-in modules backed by the fused kernels: sites, layers that own their depth
-reads, the Full/Block depth states and the Standard, Full and Block AttnRes models."""
+reads, the Full/Block depth states, the Standard, Full and Block AttnRes models and
+their decode cache."""
 
+from .cache import DecodeCache, LayerKVCache
 from .layers import (
     BlockAttnResLayer,
     CausalSelfAttention,
@@ -25,10 +27,12 @@ __all__ = [
     "BlockAttnResState",
     "BlockAttnResTransformer",
     "CausalSelfAttention",
+    "DecodeCache",
     "DepthAttentionSite",
     "FullAttnResLayer",
     "FullAttnResState",
     "FullAttnResTransformer",
+    "LayerKVCache",
     "RMSNorm",
     "ShardedSiteError",
     "StandardLayer",
