@@ -106,16 +106,16 @@ class _DecoderLM(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> DecodeCache:
         """An empty decode cache for ``batch_size`` sequences of up to ``max_len`` tokens
-        (keys and values of every layer; dtype and device default to the model's)."""
+        (keys and values of every layer). ``device`` defaults to the model's; ``dtype`` to
+        the attention's compute dtype: the autocast dtype when called under autocast, else
+        the model's."""
         attn = self.layers[0].attn
+        device = torch.device(self.head.weight.device if device is None else device)
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else self.head.weight.dtype
         return DecodeCache(
-            self.n_layers,
-            batch_size,
-            max_len,
-            attn.n_heads,
-            self.d_model // attn.n_heads,
-            dtype=self.head.weight.dtype if dtype is None else dtype,
-            device=self.head.weight.device if device is None else device,
+            self.n_layers, batch_size, max_len, attn.n_heads, self.d_model // attn.n_heads, dtype=dtype, device=device
         )
 
     def _check_cache(self, cache: DecodeCache, idx: Tensor) -> None:
