@@ -1,6 +1,8 @@
 """Training features of the nn models: attention through our op, activation
 checkpointing, mixed precision (autocast, bf16 parameters)."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,25 +170,31 @@ def make_trainable_pair(name, **nn_kwargs):
 
 
 def logits_and_grads_under(model, idx, target, dtype, device_type="cpu"):
+    """Logits and gradients of one cross-entropy step under autocast to ``dtype`` (None: no autocast)."""
     model.zero_grad(set_to_none=True)
-    with torch.autocast(device_type, dtype=dtype):
+    with torch.autocast(device_type, dtype=dtype or torch.float32, enabled=dtype is not None):
         logits = model(idx).float()
         F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1)).backward()
     return logits.detach(), {k: p.grad.float() for k, p in model.named_parameters()}
 
 
 def assert_autocast_training_matches(model, ref, dtype, device_type="cpu"):
-    """Under autocast, one forward/backward (logits within 5 %, all gradients within 10 %
-    together and each within 50 % of the reference model's: bf16 rounds to 0.4 % per op)
-    and three AdamW steps (losses within 1 %) agree with the reference model's."""
+    """Under autocast, one forward/backward agrees with the reference model's by
+    FlashAttention's rule: against an fp32 oracle (a float copy of the reference model,
+    no autocast), the logits, all gradients together and each gradient are off by at
+    most 3x the reference model's own error plus a slack; three AdamW steps (losses
+    within 1 %) agree too."""
     idx = torch.randint(0, VOCAB, (2, 8), device=device_type)
     target = torch.randint(0, VOCAB, (2, 8), device=device_type)
+    oracle = copy.deepcopy(ref).float()
     (a, grads_a), (b, grads_b) = (logits_and_grads_under(m, idx, target, dtype, device_type) for m in (model, ref))
-    assert ((a - b).norm() / b.norm()).item() < 5e-2
+    o, grads_o = logits_and_grads_under(oracle, idx, target, None, device_type)
     flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])
-    assert ((flat(grads_a) - flat(grads_b)).norm() / flat(grads_b).norm()).item() < 1e-1
-    for k, g in grads_b.items():
-        assert ((grads_a[k] - g).norm() / g.norm().clamp_min(1e-12)).item() < 0.5, k
+    rel = lambda x, y: ((x - y).norm() / y.norm().clamp_min(1e-12)).item()
+    assert rel(a, o) <= 3 * rel(b, o) + 1e-2
+    assert rel(flat(grads_a), flat(grads_o)) <= 3 * rel(flat(grads_b), flat(grads_o)) + 2e-2
+    for k, g in grads_o.items():
+        assert rel(grads_a[k], g) <= 3 * rel(grads_b[k], g) + 5e-2, k
     losses = train(model, idx, target, 3, dtype, device_type)
     ref_losses = train(ref, idx, target, 3, dtype, device_type)
     assert all(abs(x - y) <= 1e-2 * abs(y) for x, y in zip(losses, ref_losses)), (losses, ref_losses)

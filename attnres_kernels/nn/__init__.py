@@ -1,7 +1,8 @@
 """Drop-in modules backed by the fused kernels: sites, layers that own their depth
-reads, the Full/Block depth states, the Standard, Full and Block AttnRes models, and
-what crosses a pipeline-stage boundary (:mod:`attnres_kernels.nn.pipeline`)."""
+reads, the Full/Block depth states, the Standard, Full and Block AttnRes models, their
+decode cache, and what crosses a pipeline-stage boundary (:mod:`attnres_kernels.nn.pipeline`)."""
 
+from .cache import DecodeCache, LayerKVCache
 from .layers import (
     BlockAttnResLayer,
     CausalSelfAttention,
@@ -27,10 +28,12 @@ __all__ = [
     "BlockAttnResState",
     "BlockAttnResTransformer",
     "CausalSelfAttention",
+    "DecodeCache",
     "DepthAttentionSite",
     "FullAttnResLayer",
     "FullAttnResState",
     "FullAttnResTransformer",
+    "LayerKVCache",
     "RMSNorm",
     "ShardedSiteError",
     "StandardLayer",

@@ -7,6 +7,10 @@ layer's ``forward``, which takes and returns the depth state
 :class:`~attnres_kernels.nn.sites.BlockAttnResState`; a plain hidden state for
 the standard layer). Wrapping each layer with FSDP2's ``fully_shard(layer)`` or
 cutting the stack into pipeline stages therefore works as for any Transformer.
+For incremental decoding a layer's ``forward`` also takes its slice of the
+model's decode cache (``kv_cache``, :class:`~attnres_kernels.nn.cache.LayerKVCache`):
+the attention appends the chunk's keys and values and attends over the cache;
+the depth reads are per token and need nothing cached.
 
 The multi-query schedules are the exception by design: the phase-1 read of a
 Block (or of a Full chunk) stacks the pseudo-queries of *every* site of the
@@ -34,6 +38,7 @@ from ..ops import _native
 from ..ops.block_step import step_unchecked
 from ..ops.depth import read_unchecked
 from ..reference import models as ref
+from .cache import LayerKVCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 try:
@@ -107,9 +112,28 @@ class CausalSelfAttention(ref.CausalSelfAttention):
         self.attention_backend = attention_backend
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        if self.attention_backend == "sdpa":
+        """Causal attention of ``q [B, H, Tq, Dh]`` over ``k, v [B, H, Tk, Dh]``, ``Tk >= Tq``
+        (longer with a decode cache): query i sees keys ``j <= i + Tk - Tq`` (bottom-right)."""
+        if self.attention_backend != "sdpa":
+            return ops.attention(q, k, v, causal=True, backend=self.attention_backend)
+        tq, tk = q.shape[-2], k.shape[-2]
+        if tq == tk:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return ops.attention(q, k, v, causal=True, backend=self.attention_backend)
+        if tq == 1:  # one new token sees every cached key
+            return F.scaled_dot_product_attention(q, k, v)
+        # SDPA's is_causal aligns top-left when Tq != Tk, so the bottom-right mask is explicit.
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def forward(self, x: Tensor, kv_cache: LayerKVCache | None = None) -> Tensor:
+        """``x [B, T, D]``; with ``kv_cache`` the chunk's keys and values are appended to the
+        cache and its queries attend over every cached position too."""
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        if kv_cache is not None:
+            k, v = kv_cache.extend(k, v)
+        o = self.attend(q, k, v)  # [B, H, T, Dh]
+        return self.proj(o.transpose(1, 2).reshape(b, t, d))
 
     def extra_repr(self) -> str:
         return f"n_heads={self.n_heads}, attention_backend={self.attention_backend!r}"
@@ -270,8 +294,8 @@ class StandardLayer(_Layer):
     def __init__(self, d_model: int, n_heads: int, eps: float = 1e-6, attention_backend: str = "auto"):
         super().__init__(d_model, n_heads, eps, attention_backend, sites=False, backend="auto")
 
-    def forward(self, h: Tensor) -> Tensor:
-        h = h + self.attn(self.attn_norm(h))
+    def forward(self, h: Tensor, kv_cache: LayerKVCache | None = None) -> Tensor:
+        h = h + self.attn(self.attn_norm(h), kv_cache)
         return h + self.mlp(self.mlp_norm(h))
 
 
@@ -297,11 +321,13 @@ class FullAttnResLayer(_AttnResLayer):
         # Plain attributes (not submodules): a plan's group refers to sites of other layers.
         self.plans = (attn_plan, mlp_plan)
 
-    def forward(self, state: FullAttnResState, backends: Backends | None = None) -> FullAttnResState:
+    def forward(
+        self, state: FullAttnResState, backends: Backends | None = None, kv_cache: LayerKVCache | None = None
+    ) -> FullAttnResState:
         backends = self._backends(backends, state.sources[0])
         attn_plan, mlp_plan = self.plans
         x, state = full_site_input(backends, state, attn_plan, self.attn_site, self.attn_norm.weight, self.eps)
-        state = state.add(self.attn(x))
+        state = state.add(self.attn(x, kv_cache))
         x, state = full_site_input(backends, state, mlp_plan, self.mlp_site, self.mlp_norm.weight, self.eps)
         return state.add(self.mlp(x))
 
@@ -322,13 +348,15 @@ class BlockAttnResLayer(_AttnResLayer):
         starts a block (two-phase)."""
         self.starts_block, self.row, self.group, self.two_phase = starts_block, row, group, two_phase
 
-    def forward(self, state: BlockAttnResState, backends: Backends | None = None) -> BlockAttnResState:
+    def forward(
+        self, state: BlockAttnResState, backends: Backends | None = None, kv_cache: LayerKVCache | None = None
+    ) -> BlockAttnResState:
         like = state.partial if state.partial is not None else state.blocks[0]
         backends = self._backends(backends, like)
         if self.starts_block:
             state = state.commit()
         if not self.two_phase or state.weights is not None:
-            return self._per_site(backends, state)
+            return self._per_site(backends, state, kv_cache)
         eps, row = self.eps, self.row
         if self.starts_block:  # phase 1; the block's first site reads only the committed blocks
             h, lse = phase1_read(backends, state.blocks, self.group, eps)
@@ -340,11 +368,12 @@ class BlockAttnResLayer(_AttnResLayer):
                 backends, state.partial, state.pending, self.attn_site, prefix, self.attn_norm.weight, eps
             )
         prefix = (state.prefix_out[row + 1], state.prefix_lse[row + 1])
-        partial, x = phase2_step(backends, partial, self.attn(x), self.mlp_site, prefix, self.mlp_norm.weight, eps)
+        attn_out = self.attn(x, kv_cache)
+        partial, x = phase2_step(backends, partial, attn_out, self.mlp_site, prefix, self.mlp_norm.weight, eps)
         return state._replace(partial=partial, pending=self.mlp(x))
 
-    def _per_site(self, backends: Backends, state: BlockAttnResState) -> BlockAttnResState:
+    def _per_site(self, backends: Backends, state: BlockAttnResState, kv_cache: LayerKVCache | None):
         x, weights = site_read(backends, state.sources, self.attn_site, self.attn_norm.weight, self.eps, state.weights)
-        state = state._replace(weights=weights).add(self.attn(x))
+        state = state._replace(weights=weights).add(self.attn(x, kv_cache))
         x, weights = site_read(backends, state.sources, self.mlp_site, self.mlp_norm.weight, self.eps, state.weights)
         return state._replace(weights=weights).add(self.mlp(x))

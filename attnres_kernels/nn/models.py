@@ -27,6 +27,12 @@ the multi-query schedules need the layers of a block (chunk) in one unit: the
 unit's first layer reads the queries of all its sites (and, in the last unit,
 those of the root's output site). The boundaries between units are also where
 a pipeline can cut the stack, with the last unit on the stage of the head.
+
+Inference: ``cache = model.new_cache(batch_size, max_len)``, then
+``model(idx_chunk, cache=cache)`` appends a chunk (a prompt, or one token) and
+returns its logits; ``model.generate(idx, max_new_tokens)`` prefills and decodes
+with a cache. The cache holds each layer's attention keys and values only: depth
+reads are per token (see :mod:`attnres_kernels.nn.cache`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from .. import ops
 from . import layers as L
+from .cache import DecodeCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 # Defaults chosen by measuring train steps (benchmarks/model_steps.py, CPU, the demo
@@ -83,14 +90,82 @@ class _DecoderLM(nn.Module):
         self.final_norm = L.RMSNorm(d_model, eps)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def run_layers(self, state, **kwargs):
-        """Runs every layer on ``state`` (recomputing each in backward with ``checkpoint=True``)."""
+    def run_layers(self, state, cache: DecodeCache | None = None, **kwargs):
+        """Runs every layer on ``state`` (recomputing each in backward with ``checkpoint=True``);
+        with a decode ``cache``, appends the chunk to it (inference: no checkpointing)."""
+        if cache is not None:
+            for i, layer in enumerate(self.layers):
+                state = layer(state, kv_cache=cache.layer(i), **kwargs)
+            return state
         for layer in self.layers:
             if self.checkpoint and torch.is_grad_enabled():
                 state = activation_checkpoint(layer, state, use_reentrant=False, **kwargs)
             else:
                 state = layer(state, **kwargs)
         return state
+
+    def new_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> DecodeCache:
+        """An empty decode cache for ``batch_size`` sequences of up to ``max_len`` tokens
+        (keys and values of every layer). ``device`` defaults to the model's; ``dtype`` to
+        the attention's compute dtype: the autocast dtype when called under autocast, else
+        the model's."""
+        attn = self.layers[0].attn
+        device = torch.device(self.head.weight.device if device is None else device)
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else self.head.weight.dtype
+        return DecodeCache(
+            self.n_layers, batch_size, max_len, attn.n_heads, self.d_model // attn.n_heads, dtype=dtype, device=device
+        )
+
+    def _check_cache(self, cache: DecodeCache, idx: Tensor) -> None:
+        attn = self.layers[0].attn
+        layout = (self.n_layers, attn.n_heads, self.d_model // attn.n_heads)
+        n_layers, _, n_heads, _, head_dim = cache.keys.shape
+        if (n_layers, n_heads, head_dim) != layout:
+            raise ValueError(
+                f"the cache holds {n_layers} layers x {n_heads} heads x head size {head_dim} but this model has "
+                f"{layout[0]} x {layout[1]} x {layout[2]}; make it with this model's new_cache"
+            )
+        cache.check_chunk(idx)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Continues the prompts ``idx [B, T]`` by ``max_new_tokens`` tokens: one prefill
+        of the prompt into a fresh decode cache, then one token per forward. Greedy
+        (argmax) at ``temperature=0``; otherwise samples from ``softmax(logits / temperature)``
+        with ``generator``. Returns ``[B, T + max_new_tokens]`` (the prompt first)."""
+        if idx.dim() != 2 or idx.shape[1] == 0:
+            raise ValueError(f"the prompt must be token ids [batch, T] with T >= 1, got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        b, t = idx.shape
+        tokens = idx.new_empty(b, t + max_new_tokens)
+        tokens[:, :t] = idx
+        if max_new_tokens == 0:
+            return tokens
+        # The last new token is never fed back, so the cache needs t + max_new_tokens - 1 positions.
+        cache = self.new_cache(b, t + max_new_tokens - 1, device=idx.device)
+        chunk = idx
+        for i in range(t, t + max_new_tokens):
+            logits = self(chunk, cache=cache)[:, -1]
+            if temperature == 0:
+                next_token = logits.argmax(-1)
+            else:
+                probs = torch.softmax(logits.float() / temperature, dim=-1)
+                next_token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            tokens[:, i] = next_token
+            chunk = tokens[:, i : i + 1]
+        return tokens
 
     def shard_units(self) -> list:
         """The groups of layers to shard together with FSDP2: ``fully_shard(unit)`` for
@@ -133,10 +208,17 @@ class StandardTransformer(_DecoderLM):
     def logits(self, h: Tensor) -> Tensor:
         return self.head(self.final_norm(h))
 
-    def forward(self, idx: Tensor, return_depth_weights: bool = False) -> Tensor:
+    def forward(self, idx: Tensor, return_depth_weights: bool = False, *, cache: DecodeCache | None = None) -> Tensor:
+        """Logits ``[B, T, vocab]``; with a decode ``cache`` (:meth:`new_cache`), ``idx``
+        is the next chunk of the cached sequences and is appended to the cache."""
         if return_depth_weights:
             raise ValueError("StandardTransformer has no depth attention, so no depth weights")
-        return self.logits(self.run_layers(self.initial_state(self.embed(idx))))
+        if cache is not None:
+            self._check_cache(cache, idx)
+        logits = self.logits(self.run_layers(self.initial_state(self.embed(idx)), cache))
+        if cache is not None:
+            cache.advance(idx.shape[1])
+        return logits
 
 
 class _AttnResLM(_DecoderLM):
@@ -153,15 +235,21 @@ class _AttnResLM(_DecoderLM):
         ]
         return names + [("out_site", self.out_site)]
 
-    def forward(self, idx: Tensor, return_depth_weights: bool = False):
+    def forward(self, idx: Tensor, return_depth_weights: bool = False, *, cache: DecodeCache | None = None):
         """Logits ``[B, T, vocab]``; with ``return_depth_weights`` also the list (site
         order: attn, mlp per layer, then the output site) of ``[n_sources, B, T]``
-        weights (that forward reads site by site)."""
+        weights (that forward reads site by site). With a decode ``cache``
+        (:meth:`new_cache`), ``idx`` is the next chunk of the cached sequences and is
+        appended to the cache; the depth reads run on the chunk alone (they are per token)."""
+        if cache is not None:
+            self._check_cache(cache, idx)
         embedding = self.embed(idx)
         backends = self.backends(embedding)
         state = self.initial_state(embedding, record_weights=return_depth_weights)
-        state = self.run_layers(state, backends=backends)
+        state = self.run_layers(state, cache, backends=backends)
         logits, weights = self._logits(state, backends)
+        if cache is not None:
+            cache.advance(idx.shape[1])
         return (logits, list(weights)) if return_depth_weights else logits
 
     def logits(self, state) -> Tensor:
