@@ -14,7 +14,7 @@ ARGS ?=
 export MAX_JOBS ?= 2
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h)
 
-.PHONY: demo test lint format bench sweep cmake cuda-build clean gpu-bench
+.PHONY: demo test pytest aot-check lint format bench sweep cmake cuda-build clean gpu-bench
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,13 @@ $(VENV)/.built: $(VENV)/.runtime $(NATIVE_SOURCES)
 demo: $(VENV)/.built
 	$(PY) -m attnres_kernels.demo $(ARGS)
 
-test: $(VENV)/.dev $(VENV)/.built
+# `make test` runs both parts; `make -j2 test` runs them side by side (CI does, with cuda-build).
+test: pytest aot-check
+
+pytest: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest $(ARGS)
+
+aot-check: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m attnres_kernels.check
 
 CXX_SOURCES = $(shell git ls-files 'csrc/*.cpp' 'csrc/*.h' 'csrc/*.cu' 'csrc/*.cuh')
