@@ -66,9 +66,10 @@ def batch(config: str):
     return 64, x, torch.roll(x, -1, dims=1)
 
 
-def build(name: str, config: str, vocab: int, backend: str, attention: str, **extra) -> torch.nn.Module:
+def build(name: str, config: str | dict, vocab: int, backend: str, attention: str, **extra) -> torch.nn.Module:
+    """Model ``name`` of ``config`` (a name in ``CONFIGS`` or such a dict of model sizes)."""
     torch.manual_seed(0)
-    cfg = dict(CONFIGS[config])
+    cfg = dict(CONFIGS[config] if isinstance(config, str) else config)
     per_block = cfg.pop("layers_per_block")
     common = dict(vocab_size=vocab, backend=backend, attention_backend=attention, **cfg, **extra)
     kind, _, option = name.partition(":")
