@@ -1,6 +1,8 @@
 """CPU sweep of fused attention; writes a markdown report and its json.
 
     python benchmarks/attention_sweep.py [--out benchmarks/results/attention_cpu.md] [--quick] [--gemm]
+        [--lengths T ...] [--head-dims DH ...] [--dtypes fp32 bf16] [--causal no yes]
+        [--reference-max-t T] [--memory-lengths T ...] [--append]
 
 Time: forward and forward+backward of the C++ op (``ak.attention(backend="cpu")``),
 PyTorch's ``scaled_dot_product_attention`` (its CPU flash kernel), the eager
@@ -13,6 +15,16 @@ the median of the runs, with their spread (max - min) / median.
 Memory: peak resident memory of one forward+backward above the resident memory
 just before it (inputs allocated), in a fresh process per measurement
 (``/proc/self/clear_refs`` resets the high-water mark ``VmHWM``), against T.
+
+The grid options restrict it (on a loaded or small machine the whole grid takes
+hours): ``--lengths``, ``--head-dims``, ``--dtypes`` and ``--causal`` pick the
+rows (their product), ``--reference-max-t`` the largest T at which the eager
+reference and its compiled form are timed (default and always in the memory
+table: 2048), ``--memory-lengths`` the memory table's T (none: no memory
+table). ``--append`` adds this run's rows to the json already at ``--out`` and
+rewrites the report from all of them (a grid that is no product: e.g. T = 4096
+for causal rows only), keeping its memory table unless this run measures one;
+every run's date, arguments and load are listed.
 
 ``--gemm`` also times the tile GEMM the kernels use (oneDNN brgemm through
 ``at::native::cpublas``) against the at::vec micro-kernel of
@@ -86,14 +98,16 @@ def implementations(causal: bool, compiled: dict) -> dict:
     return {"cpu": fused, "sdpa": sdpa, "eager": eager, "compiled": compiled[causal]}
 
 
-def bench_shape(t: int, dh: int, dtype: torch.dtype, causal: bool, compiled: dict, quick: bool) -> dict:
+def bench_shape(
+    t: int, dh: int, dtype: torch.dtype, causal: bool, compiled: dict, quick: bool, reference_max_t: int
+) -> dict:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(BATCH, HEADS, t, dh, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     grad_out = torch.randn(BATCH, HEADS, t, dh, generator=gen).to(dtype)
     result = {"load_before": os.getloadavg()[0]}
     runs = {"min_runs": 2, "min_seconds": 0.0} if quick else {}
     for name, fn in implementations(causal, compiled).items():
-        if name in ("eager", "compiled") and t > REFERENCE_MAX_T:
+        if name in ("eager", "compiled") and t > reference_max_t:
             continue
 
         def forward(fn=fn):
@@ -243,16 +257,23 @@ def write_report(results: dict, path: str) -> None:
     lines = [
         "# CPU benchmark: fused attention",
         "",
-        f"Measured by `python benchmarks/attention_sweep.py` on {meta['date']}: {meta['cpu']}, "
+        f"Measured by `python benchmarks/attention_sweep.py` on {meta['cpu']}, "
         f"{meta['threads']} torch threads, torch {meta['torch']}, {meta['build_info']}. "
-        f"Load average (1 min) {meta['load_start']:.1f} at the start and {meta['load_end']:.1f} at the end "
-        f"(the machine is shared with other jobs; per row below: load before → after). "
+        "The machine is shared with other jobs (per row below: load before → after). "
         "Compare ratios within a row, not absolute times across runs.",
         "",
-        f"B = {BATCH}, H = {HEADS}. Each cell: median wall time over the runs (at least 3, and 1 s) and the spread "
+        *(
+            f"- {run['date']} `{' '.join(run['args']) or '(no options)'}`: load average (1 min) "
+            f"{run['load_start']:.1f} at the start, {run['load_end']:.1f} at the end"
+            for run in meta["runs"]
+        ),
+        "",
+        f"B = {BATCH}, H = {HEADS}. Each cell: median wall time over the runs (after a warm-up: at least 3 "
+        "runs and 1 s; 2 runs in a `--quick` run) and the spread "
         "(max - min) / median. `× sdpa`: time of `scaled_dot_product_attention` / time of the C++ op (> 1: the C++ "
         "op is faster); `× eager`, `× compile`: the same against the eager reference and `torch.compile` of it "
-        f"(compile time excluded). `—`: not run (the reference's T×T tensors at T > {REFERENCE_MAX_T}).",
+        f"(compile time excluded). `—`: not run (the reference's T×T tensors: slow, and beyond T = 2048 more memory "
+        "than this machine can spare; see the runs' `--reference-max-t`).",
         "",
     ]
     for phase, title in (("fwd_bwd", "Forward + backward"), ("fwd", "Forward")):
@@ -263,7 +284,9 @@ def write_report(results: dict, path: str) -> None:
             "| × sdpa | × eager | × compile | load |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for row in results["timings"]:
+        for row in sorted(
+            results["timings"], key=lambda r: (list(DTYPES).index(r["dtype"]), r["causal"], r["Dh"], r["T"])
+        ):
             cell = {name: row[name][phase] if name in row else None for name in ("cpu", "sdpa", "eager", "compiled")}
             lines.append(
                 f"| {row['dtype']} | {'yes' if row['causal'] else 'no'} | {row['T']} | {row['Dh']} | "
@@ -343,6 +366,13 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "attention_cpu.md"))
     parser.add_argument("--quick", action="store_true", help="T = 512 and 1024 only, two runs per cell")
     parser.add_argument("--gemm", action="store_true", help="also time the tile GEMM choice")
+    parser.add_argument("--lengths", type=int, nargs="+", help=f"T values (default {LENGTHS})")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=list(HEAD_DIMS))
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
+    parser.add_argument("--causal", nargs="+", choices=["no", "yes"], default=["no", "yes"])
+    parser.add_argument("--reference-max-t", type=int, default=REFERENCE_MAX_T, help="largest T of eager/compile")
+    parser.add_argument("--memory-lengths", type=int, nargs="*", help=f"memory table's T (default {MEMORY_LENGTHS})")
+    parser.add_argument("--append", action="store_true", help="add the rows to the json at --out")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
     parser.add_argument("--gemm-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -364,21 +394,32 @@ def main() -> None:
         causal: torch.compile(lambda q, k, v, causal=causal: reference.attention(q, k, v, causal=causal))
         for causal in (False, True)
     }
-    lengths = LENGTHS[:2] if args.quick else LENGTHS
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu_name(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "build_info": ak.build_info(),
-        "load_start": os.getloadavg()[0],
-    }
-    results = {"meta": meta, "timings": []}
-    shapes = [(d, c, t, dh) for d in DTYPES for c in (False, True) for dh in HEAD_DIMS for t in lengths]
+    lengths = args.lengths or (LENGTHS[:2] if args.quick else LENGTHS)
+    run = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": sys.argv[1:], "load_start": os.getloadavg()[0]}
+    json_path = os.path.splitext(args.out)[0] + ".json"
+    if args.append:
+        with open(json_path) as f:
+            results = json.load(f)
+        meta = results["meta"]
+    else:
+        meta = {
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "build_info": ak.build_info(),
+            "runs": [],
+        }
+        results = {"meta": meta, "timings": []}
+    meta["runs"].append(run)
+    shapes = [
+        (d, c == "yes", t, dh) for d in args.dtypes for c in args.causal for dh in args.head_dims for t in lengths
+    ]
     for dtype_name, causal, t, dh in tqdm(shapes, desc="attention timings"):
-        row = bench_shape(t, dh, DTYPES[dtype_name], causal, compiled, args.quick)
+        row = bench_shape(t, dh, DTYPES[dtype_name], causal, compiled, args.quick, args.reference_max_t)
         results["timings"].append({"dtype": dtype_name, "causal": causal, "T": t, "Dh": dh, **row})
-    memory_lengths = MEMORY_LENGTHS[:3] if args.quick else MEMORY_LENGTHS
+    memory_lengths = args.memory_lengths
+    if memory_lengths is None:
+        memory_lengths = MEMORY_LENGTHS[:3] if args.quick else MEMORY_LENGTHS
     mem_rows = []
     for t in tqdm(memory_lengths, desc="attention memory"):
         row = {"T": t}
@@ -387,12 +428,13 @@ def main() -> None:
                 continue
             row[impl] = measure_memory(impl, t, 64)
         mem_rows.append(row)
-    results["memory"] = {"Dh": 64, "rows": mem_rows}
+    if mem_rows:
+        results["memory"] = {"Dh": 64, "rows": mem_rows}
     if args.gemm:
         results["gemm"] = measure_gemm()
-    meta["load_end"] = os.getloadavg()[0]
+    run["load_end"] = os.getloadavg()[0]
     write_report(results, args.out)
-    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+    with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
     print(f"wrote {args.out}")
 
