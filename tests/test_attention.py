@@ -219,7 +219,7 @@ def test_double_backward_is_exact(backend):
     def fn(q, k, v):
         return ak.attention(q, k, v, key_padding_mask=mask, return_lse=True, backend=backend)
 
-    assert torch.autograd.gradgradcheck(fn, (q, k, v))
+    assert torch.autograd.gradgradcheck(fn, (q, k, v), fast_mode=backend == "triton")  # interpreter: see above
 
 
 @pytest.mark.parametrize("backend", FUSED)
