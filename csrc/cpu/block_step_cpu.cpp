@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "../depth_attention.h"
+#include "row_math.h"
 
 namespace attnres {
 namespace {
@@ -135,12 +136,6 @@ inline void stream_floats(const float* src, float* dst, int64_t n) {
 #endif
 }
 
-inline void fence_streaming_stores() {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  _mm_sfence();
-#endif
-}
-
 // Row p of `rows` = src converted to the row's dtype; `stream` selects
 // non-temporal stores for float rows (the caller fences before returning).
 template <typename A>
@@ -172,41 +167,10 @@ void store_row(const A* src, const RowView& rows, int64_t p, int64_t n, bool str
 
 // ---------------------------------------------------------------- vector arithmetic on one row
 
-// <a, b> with two vector accumulators.
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  Vec acc0(T(0)), acc1(T(0));
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
-  }
-  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
-
 // out = a * x + b * y (out may alias x or y).
 template <typename T>
 void lincomb(T* out, T a, const T* x, T b, const T* y, int64_t n) {
   at::vec::map2<T>([a, b](auto xv, auto yv) { return xv * decltype(xv)(a) + yv * decltype(xv)(b); }, out, x, y, n);
-}
-
-// dst += a * x * y and dst += a * x, in double: the row reductions sum up to
-// thousands of rows per chunk, double keeps their rounding below a row's.
-template <typename T>
-void accumulate_product(double* dst, T a, const T* x, const T* y, int64_t n) {
-  const double ad = static_cast<double>(a);
-  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]) * static_cast<double>(y[d]);
-}
-
-template <typename T>
-void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
-  const double ad = static_cast<double>(a);
-  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]);
 }
 
 // The two softmax weights of a merge with one new source: α_a of the prefix

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../depth_attention.h"
+#include "row_math.h"
 
 namespace attnres {
 
@@ -163,13 +164,6 @@ inline void stream_bytes(const void* src_ptr, void* dst_ptr, int64_t n) {
 #endif
 }
 
-// Makes this thread's non-temporal stores visible before the parallel region ends.
-inline void fence_streaming_stores() {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  _mm_sfence();
-#endif
-}
-
 // Outputs at least this large are written with non-temporal stores; smaller
 // ones stay in cache for the op that reads them next.
 constexpr int64_t kStreamBytes = int64_t(8) << 20;
@@ -212,23 +206,6 @@ inline void store_row(const acc_t* src, const OutRows& x, int64_t p, int64_t n, 
 }
 
 // ---------------------------------------------------------------- row arithmetic
-
-// <a, b> with two vector accumulators (halves the FMA dependency chain).
-template <typename T>
-inline T dot(const T* a, const T* b, int64_t n) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  Vec acc0(T(0)), acc1(T(0));
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
-  }
-  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
-  for (; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
 
 // y += b * x
 template <typename T>
@@ -303,20 +280,6 @@ inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t
 template <typename T>
 inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots, T* /*buf*/) {
   return sumsq_and_dots(x, u, q_count, n, dots);
-}
-
-// dst += a * x * y, accumulated in double (the row reductions sum thousands of
-// terms; double keeps their rounding far below that of a single fp32 row).
-template <typename T>
-inline void accumulate_product(double* dst, T a, const T* x, const T* y, int64_t n) {
-  const double ad = static_cast<double>(a);
-  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]) * static_cast<double>(y[d]);
-}
-
-template <typename T>
-inline void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
-  const double ad = static_cast<double>(a);
-  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]);
 }
 
 // α_i = softmax(logits)_i for one row (logits i at s[i * stride]), the prefix

@@ -1,0 +1,54 @@
+// Row arithmetic shared by the CPU kernels (depth read, Block step). Every
+// kernel file is compiled with the same vector-ISA flags, so these inline
+// templates match the file that includes them.
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+
+namespace attnres {
+
+// Makes this thread's non-temporal stores visible before the parallel region ends.
+inline void fence_streaming_stores() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// <a, b> with two vector accumulators (halves the FMA dependency chain).
+template <typename T>
+inline T dot(const T* a, const T* b, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  Vec acc0(T(0)), acc1(T(0));
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
+  }
+  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// dst += a * x * y and dst += a * x, accumulated in double: the row reductions
+// sum thousands of terms, and double keeps their rounding far below a row's.
+template <typename T>
+inline void accumulate_product(double* dst, T a, const T* x, const T* y, int64_t n) {
+  const double ad = static_cast<double>(a);
+  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]) * static_cast<double>(y[d]);
+}
+
+template <typename T>
+inline void accumulate_scaled(double* dst, T a, const T* x, int64_t n) {
+  const double ad = static_cast<double>(a);
+  for (int64_t d = 0; d < n; ++d) dst[d] += ad * static_cast<double>(x[d]);
+}
+
+}  // namespace attnres
