@@ -1,6 +1,6 @@
 // CUDA kernels of the depth read (DESIGN.md §2.1, §2.5): forward and backward
 // of Q sites over N sources, optional prefix merge and fused output RMSNorm.
-// Torch-free: nvcc builds them into the extension (depth_attention_cuda.cu) and
+// Torch-free: nvcc builds them into the extension (ops_cuda.cu) and
 // the host compiler into the SIMT harness (csrc/simt/emulated_ops.cpp); both
 // launch them through launch_depth_attn_fwd / _bwd below, with the launch
 // configuration of plan_depth_attn.
@@ -915,7 +915,7 @@ __global__ void __launch_bounds__(256)
 
 // ------------------------------------------------------------------ host launchers
 //
-// `Runtime` (csrc/cuda/depth_attention_cuda.cu, csrc/simt/emulated_ops.cpp) provides
+// `Runtime` (csrc/cuda/ops_cuda.cu, csrc/simt/emulated_ops.cpp) provides
 //   template <typename... P> void launch(const std::string& name, void (*kernel)(P...),
 //                                        dim3 grid, dim3 block, size_t shared_bytes, P... args);
 

@@ -1,5 +1,5 @@
 // Torch side of the CUDA depth read, shared by both builds of the kernels: nvcc
-// (depth_attention_cuda.cu: CUDA tensors, the CUDA dispatch key of attnres::) and
+// (ops_cuda.cu: CUDA tensors, the CUDA dispatch key of attnres::) and
 // the SIMT harness (csrc/simt/emulated_ops.cpp: CPU tensors, attnres_emu::).
 // Argument checks and output shapes come from ../depth_attention.h, as on CPU.
 //

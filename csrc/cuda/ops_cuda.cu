@@ -1,7 +1,9 @@
-// CUDA dispatch key of attnres::depth_attn_fwd / _bwd: the kernels of
-// depth_attention_kernels.cuh launched on the current stream. The torch side
-// (checks, outputs, tables) is depth_attention_ops.h, shared with the SIMT
-// harness build (csrc/simt/emulated_ops.cpp).
+// The CUDA dispatch key of the attnres:: ops, one translation unit for every op
+// family (torch's headers are compiled once). Each family's torch side (checks,
+// outputs, launch plans) is a header templated on a Runtime and shared with the
+// SIMT harness build (csrc/simt/emulated_ops.cpp); CudaRuntime below launches its
+// torch-free kernels (csrc/cuda/*_kernels.cuh) on the current stream.
+//   depth read: depth_attention_ops.h
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
