@@ -65,6 +65,13 @@ TORCH_LIBRARY(attnres, m) {
   m.def(
       "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
       "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The gradients of attn_fwd (grad_q, grad_k, grad_v) as a differentiable function of q, k, v and
+  // the incoming gradients, for a backward with create_graph=True (csrc/autograd/attention_autograd.cpp);
+  // implemented in Python by autograd through the reference. An input that does not require grad gets an
+  // empty tensor.
+  m.def(
+      "attn_bwd_differentiable(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, "
+      "Tensor? key_padding_mask, bool causal, float scale) -> Tensor[]");
   // The gradients of depth_attn_fwd as a differentiable function of its inputs
   // and of the incoming gradients: the backward of the autograd (csrc/autograd)
   // calls it when it runs with create_graph=True. Implemented in Python

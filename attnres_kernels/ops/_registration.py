@@ -28,19 +28,19 @@ the site parameters, the prefix when given, and the fp32/fp64 per-row scalars
 
 Attention and the Block step follow below, each with its schema.
 
-Autograd. The C++ ops ``attnres::depth_attn_fwd`` and ``attnres::block_step_fwd``
-have their autograd in C++ (``csrc/autograd``, registered for the Autograd
+Autograd. The C++ ops ``attnres::depth_attn_fwd``, ``attnres::block_step_fwd`` and
+``attnres::attn_fwd`` have their autograd in C++ (``csrc/autograd``, registered for the Autograd
 dispatch key, serving the CPU and CUDA kernels alike): a Python autograd wrapper
 costs more than the kernels of a small read. Every other forward op (the Triton
-namespace, attention) gets the Python autograd below.
+namespace, the emulated CUDA ops) gets the Python autograd below.
 
 Higher-order gradients. The fused backward kernels are not themselves
 differentiable. When a backward runs with ``create_graph=True`` (grad mode on
 inside the backward), the gradients are computed instead by autograd through
 the plain-PyTorch reference, as a differentiable function of the saved inputs
 (:func:`differentiable_grads`; the C++ autograd reaches it through the ops
-``attnres::depth_attn_bwd_differentiable`` and ``attnres::block_step_bwd_differentiable``,
-implemented here): double backward is then exact, on every backend, at the
+``attnres::depth_attn_bwd_differentiable``, ``attnres::block_step_bwd_differentiable`` and
+``attnres::attn_bwd_differentiable``, implemented here): double backward is then exact, on every backend, at the
 reference's cost.
 """
 
@@ -258,10 +258,31 @@ def reference_attn_fwd(q, k, v, key_padding_mask, causal, scale):
     return reference.attention(q, k, v, causal=causal, key_padding_mask=key_padding_mask, scale=scale, return_lse=True)
 
 
-def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
-    """Fake kernels of both attention ops and the Python autograd of the forward."""
+def register_attention_fakes(fwd_name: str, bwd_name: str) -> None:
     torch.library.register_fake(fwd_name)(fake_attn_fwd)
     torch.library.register_fake(bwd_name)(fake_attn_bwd)
+
+
+def differentiable_attn_bwd(grad_out, grad_lse, q, k, v, key_padding_mask, causal, scale):
+    """``attnres::attn_bwd_differentiable``: the gradients of ``attn_fwd`` w.r.t. q, k, v,
+    differentiable (by autograd through the reference); an empty tensor for an input
+    that does not require grad."""
+    grads = differentiable_grads(
+        lambda x: reference_attn_fwd(*x, causal, scale), [q, k, v, key_padding_mask], [grad_out, grad_lse]
+    )
+    return [g if g is not None else q.new_empty((0,)) for g in grads[:3]]
+
+
+def register_native_attention_ops(namespace: str = "attnres") -> None:
+    """Python parts of a C++ attention whose autograd is registered in C++: the fake
+    kernels and the differentiable backward its double backward calls."""
+    register_attention_fakes(f"{namespace}::attn_fwd", f"{namespace}::attn_bwd")
+    torch.library.impl(f"{namespace}::attn_bwd_differentiable", "CompositeImplicitAutograd")(differentiable_attn_bwd)
+
+
+def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+    """Fake kernels of both attention ops and the Python autograd of the forward."""
+    register_attention_fakes(fwd_name, bwd_name)
 
     def setup_context(ctx, inputs, output):
         q, k, v, key_padding_mask, causal, scale = inputs

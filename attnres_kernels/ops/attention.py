@@ -17,12 +17,12 @@ from torch import Tensor
 from .. import reference
 from .._validation import check_attention
 from . import _dispatch, _native
-from ._registration import register_attention_ops
+from ._registration import register_native_attention_ops
 
 MAX_HEAD_DIM = 256  # the fused kernels keep a [tile, Dh] block of q, k, v per program
 
 if _native.defines("attn_fwd"):
-    register_attention_ops("attnres::attn_fwd", "attnres::attn_bwd", torch.ops.attnres.attn_bwd.default)
+    register_native_attention_ops()
 
 
 # Whether the Triton backend defines attnres_triton::attn_fwd; looked up on first use

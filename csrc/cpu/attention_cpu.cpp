@@ -50,7 +50,10 @@ using Vec = at::vec::Vectorized<T>;
 // Tile sizes (rows). Forward: kBlockQ query rows per program, keys in tiles of
 // kTileK. Backward: pairs of kTileQ queries and kBlockK keys (the split dQ
 // pass groups kBlockQ / kTileQ query tiles per program). Buffer widths are
-// padded to multiples of kAlign.
+// padded to multiples of kAlign. A problem shorter than a tile uses one tile of
+// its own length rounded up to kAlign (Problem::block_q etc.): the same single
+// tile, with buffers sized to it (a decode step's one query would otherwise
+// allocate and clear a 256 × 256 score tile).
 constexpr int64_t kBlockQ = 256;
 constexpr int64_t kTileK = 256;
 constexpr int64_t kBlockK = 256;
@@ -70,8 +73,9 @@ inline int64_t balanced_tile(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 :
 
 struct Problem {
   int64_t batch, heads, kv_heads, group, tq, tk, dh;
-  int64_t dh_padded;  // Dh rounded up to kAlign: the row length of every packed [rows, Dh] tile
-  int64_t offset;     // Tk - Tq: query i sees keys j <= i + offset under the causal mask
+  int64_t dh_padded;                         // Dh rounded up to kAlign: the row length of every packed [rows, Dh] tile
+  int64_t offset;                            // Tk - Tq: query i sees keys j <= i + offset under the causal mask
+  int64_t block_q, tile_k, block_k, tile_q;  // kBlockQ, kTileK, kBlockK, kTileQ, or T rounded up when shorter
   bool causal;
   double scale;
 
@@ -121,6 +125,12 @@ Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   p.group = p.heads / p.kv_heads;
   p.dh_padded = round_up(p.dh, kAlign);
   p.offset = p.tk - p.tq;
+  const int64_t tq_padded = round_up(std::max<int64_t>(p.tq, 1), kAlign);
+  const int64_t tk_padded = round_up(std::max<int64_t>(p.tk, 1), kAlign);
+  p.block_q = std::min(kBlockQ, tq_padded);
+  p.tile_q = std::min(kTileQ, tq_padded);
+  p.tile_k = std::min(kTileK, tk_padded);
+  p.block_k = std::min(kBlockK, tk_padded);
   p.causal = causal;
   p.scale = scale;
   return p;
@@ -416,40 +426,40 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
   const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
   scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
   T* lse_data = lse.mutable_data_ptr<T>();
-  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, kBlockQ);
+  const int64_t dh = p.dh, dhp = p.dh_padded, blocks = ceil_div(p.tq, p.block_q);
   const T scale = static_cast<T>(p.scale);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
   at::parallel_for(0, p.batch * p.heads * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> qs(kBlockQ * dhp), acc(kBlockQ * dhp), s(kBlockQ * kTileK), m(kBlockQ), l(kBlockQ);
-    std::vector<T> krows(kTileK * dhp), kt(dhp * kTileK), vrows(kTileK * dhp);
+    std::vector<T> qs(p.block_q * dhp), acc(p.block_q * dhp), s(p.block_q * p.tile_k), m(p.block_q), l(p.block_q);
+    std::vector<T> krows(p.tile_k * dhp), kt(dhp * p.tile_k), vrows(p.tile_k * dhp);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
-      const int64_t i0 = balanced_tile(item % blocks, blocks) * kBlockQ, rows = std::min(kBlockQ, p.tq - i0);
+      const int64_t i0 = balanced_tile(item % blocks, blocks) * p.block_q, rows = std::min(p.block_q, p.tq - i0);
       load_rows(Q, b, h, i0, rows, dh, scale, qs.data(), dhp);
       std::fill(acc.begin(), acc.end(), T(0));
       std::fill(m.begin(), m.end(), kNegInf);
       std::fill(l.begin(), l.end(), T(0));
       const int64_t kv_end = p.key_end(i0 + rows - 1);
-      for (int64_t k0 = 0; k0 < kv_end; k0 += kTileK) {
-        const int64_t n = std::min(kTileK, kv_end - k0), n_padded = round_up(n, kAlign);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += p.tile_k) {
+        const int64_t n = std::min(p.tile_k, kv_end - k0), n_padded = round_up(n, kAlign);
         // Rows above r0 see none of these keys (rounded down to keep GEMM shapes few).
         const int64_t r0 = (p.query_begin(k0) > i0 ? p.query_begin(k0) - i0 : 0) / kAlign * kAlign;
-        load_rows_transposed(K, b, hk, k0, n, dh, dhp, krows.data(), kt.data(), kTileK, n_padded);
+        load_rows_transposed(K, b, hk, k0, n, dh, dhp, krows.data(), kt.data(), p.tile_k, n_padded);
         const Operand<T> v_rows = rows_operand(V, b, hk, k0, n, dh, dhp, vrows.data());
-        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), kTileK, s.data() + r0 * kTileK, kTileK,
-             false);
+        gemm(rows - r0, n_padded, dh, qs.data() + r0 * dhp, dhp, kt.data(), p.tile_k, s.data() + r0 * p.tile_k,
+             p.tile_k, false);
         const T* bias = key_bias != nullptr ? key_bias + b * p.tk + k0 : nullptr;
         for (int64_t r = r0; r < rows; ++r) {
           const int64_t valid = std::min(p.key_end(i0 + r) - k0, n);
-          const T alpha = softmax_update_row(s.data() + r * kTileK, std::max<int64_t>(valid, 0), n, bias, m[r], l[r]);
+          const T alpha = softmax_update_row(s.data() + r * p.tile_k, std::max<int64_t>(valid, 0), n, bias, m[r], l[r]);
           if (alpha != T(1)) {
             at::vec::map([alpha](Vec<T> x) { return x * Vec<T>(alpha); }, acc.data() + r * dhp, acc.data() + r * dhp,
                          dhp);
           }
         }
-        gemm(rows - r0, v_rows.cols, n, s.data() + r0 * kTileK, kTileK, v_rows.data, v_rows.ld, acc.data() + r0 * dhp,
-             dhp, true);
+        gemm(rows - r0, v_rows.cols, n, s.data() + r0 * p.tile_k, p.tile_k, v_rows.data, v_rows.ld,
+             acc.data() + r0 * dhp, dhp, true);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = bh * p.tq + i0 + r;
@@ -481,24 +491,27 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // count; the result does not.
 
 template <typename T>
-struct KeyBlock {  // kBlockK keys of one kv head: K and V rows, and Kᵀ for the dQ GEMM
+struct KeyBlock {  // p.block_k keys of one kv head: K and V rows, and Kᵀ for the dQ GEMM
   std::vector<T> k_buf, v_buf, kt;
   Operand<T> k{}, v{};
   int64_t k0 = 0, n = 0;
-  explicit KeyBlock(int64_t dhp) : k_buf(kBlockK * dhp), v_buf(kBlockK * dhp), kt(dhp * kBlockK) {}
+  explicit KeyBlock(const Problem& p)
+      : k_buf(p.block_k * p.dh_padded), v_buf(p.block_k * p.dh_padded), kt(p.dh_padded * p.block_k) {}
 };
 
 template <typename T>
-struct QueryTile {  // kTileQ queries of one head: q and dO as rows and transposed, lse and δ
+struct QueryTile {  // p.tile_q queries of one head: q and dO as rows and transposed, lse and δ
   std::vector<T> q_buf, qt, do_buf, d_ot, lse, delta;  // q_buf, do_buf: only for rows that are not fp32 in place
   Operand<T> q{}, d_o{};
   int64_t i0 = 0, m = 0, m_padded = 0;
-  explicit QueryTile(int64_t dhp) : qt(dhp * kTileQ), d_ot(dhp * kTileQ), lse(kTileQ), delta(kTileQ) {}
+  explicit QueryTile(const Problem& p)
+      : qt(p.dh_padded * p.tile_q), d_ot(p.dh_padded * p.tile_q), lse(p.tile_q), delta(p.tile_q) {}
 };
 
 template <typename T>
-struct PairTiles {  // Pᵀ and dSᵀ of one pair, [kBlockK, kTileQ]
-  std::vector<T> pt = std::vector<T>(kBlockK * kTileQ), dst = std::vector<T>(kBlockK * kTileQ);
+struct PairTiles {  // Pᵀ and dSᵀ of one pair, [p.block_k, p.tile_q]
+  std::vector<T> pt, dst;
+  explicit PairTiles(const Problem& p) : pt(p.block_k * p.tile_q), dst(p.block_k * p.tile_q) {}
 };
 
 template <typename scalar_t>
@@ -542,10 +555,10 @@ template <typename scalar_t, typename T>
 void load_key_block(KeyBlock<T>& kb, const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk,
                     int64_t k0, bool with_transpose) {
   kb.k0 = k0;
-  kb.n = std::min(kBlockK, p.tk - k0);
+  kb.n = std::min(p.block_k, p.tk - k0);
   kb.k = rows_operand(in.k, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.k_buf.data());
   kb.v = rows_operand(in.v, b, hk, k0, kb.n, p.dh, p.dh_padded, kb.v_buf.data());
-  if (with_transpose) transpose_padded(kb.k.data, kb.k.ld, kb.n, p.dh, kb.kt.data(), kBlockK, kb.n);
+  if (with_transpose) transpose_padded(kb.k.data, kb.k.ld, kb.n, p.dh, kb.kt.data(), p.block_k, kb.n);
 }
 
 template <typename scalar_t, typename T>
@@ -553,14 +566,14 @@ void load_query_tile(QueryTile<T>& qt, const Problem& p, const BackwardInputs<sc
                      int64_t i0) {
   const int64_t dh = p.dh, dhp = p.dh_padded;
   qt.i0 = i0;
-  qt.m = std::min(kTileQ, p.tq - i0);
+  qt.m = std::min(p.tile_q, p.tq - i0);
   qt.m_padded = round_up(qt.m, kAlign);
-  if (!rows_in_place(in.q, dh)) qt.q_buf.resize(kTileQ * dhp);
-  if (!rows_in_place(in.grad_out, dh)) qt.do_buf.resize(kTileQ * dhp);
+  if (!rows_in_place(in.q, dh)) qt.q_buf.resize(p.tile_q * dhp);
+  if (!rows_in_place(in.grad_out, dh)) qt.do_buf.resize(p.tile_q * dhp);
   qt.q = rows_operand(in.q, b, h, i0, qt.m, dh, dhp, qt.q_buf.data());
-  transpose_padded(qt.q.data, qt.q.ld, qt.m, dh, qt.qt.data(), kTileQ, qt.m_padded);
+  transpose_padded(qt.q.data, qt.q.ld, qt.m, dh, qt.qt.data(), p.tile_q, qt.m_padded);
   qt.d_o = rows_operand(in.grad_out, b, h, i0, qt.m, dh, dhp, qt.do_buf.data());
-  transpose_padded(qt.d_o.data, qt.d_o.ld, qt.m, dh, qt.d_ot.data(), kTileQ, qt.m_padded);
+  transpose_padded(qt.d_o.data, qt.d_o.ld, qt.m, dh, qt.d_ot.data(), p.tile_q, qt.m_padded);
   const int64_t row0 = (b * p.heads + h) * p.tq + i0;
   std::copy(in.lse + row0, in.lse + row0 + qt.m, qt.lse.begin());  // padding: +inf, so P = 0
   std::fill(qt.lse.begin() + qt.m, qt.lse.end(), std::numeric_limits<T>::infinity());
@@ -575,11 +588,11 @@ int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBl
                      PairTiles<T>& pair) {
   const int64_t n_vis = std::min(p.key_end(qt.i0 + qt.m - 1) - kb.k0, kb.n);
   if (n_vis <= 0) return 0;
-  gemm(n_vis, qt.m_padded, p.dh, kb.k.data, kb.k.ld, qt.qt.data(), kTileQ, pair.pt.data(), kTileQ, false);
-  gemm(n_vis, qt.m_padded, p.dh, kb.v.data, kb.v.ld, qt.d_ot.data(), kTileQ, pair.dst.data(), kTileQ, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.k.data, kb.k.ld, qt.qt.data(), p.tile_q, pair.pt.data(), p.tile_q, false);
+  gemm(n_vis, qt.m_padded, p.dh, kb.v.data, kb.v.ld, qt.d_ot.data(), p.tile_q, pair.dst.data(), p.tile_q, false);
   for (int64_t kk = 0; kk < n_vis; ++kk) {
-    T* p_row = pair.pt.data() + kk * kTileQ;
-    T* ds_row = pair.dst.data() + kk * kTileQ;
+    T* p_row = pair.pt.data() + kk * p.tile_q;
+    T* ds_row = pair.dst.data() + kk * p.tile_q;
     if (key_bias != nullptr && key_bias[b * p.tk + kb.k0 + kk] != T(0)) {  // a padding key
       std::fill(p_row, p_row + qt.m_padded, T(0));
       std::fill(ds_row, ds_row + qt.m_padded, T(0));
@@ -591,43 +604,43 @@ int64_t pair_dscores(const Problem& p, const T* key_bias, int64_t b, const KeyBl
   return n_vis;
 }
 
-// dQᵀ_i += K_jᵀ dSᵀ for one pair; dqt is the tile's [Dh, kTileQ] accumulator.
+// dQᵀ_i += K_jᵀ dSᵀ for one pair; dqt is the tile's [Dh, p.tile_q] accumulator.
 template <typename T>
 inline void accumulate_dq(const Problem& p, const KeyBlock<T>& kb, const QueryTile<T>& qt, const PairTiles<T>& pair,
                           int64_t n_vis, T* dqt) {
-  gemm(p.dh, qt.m_padded, n_vis, kb.kt.data(), kBlockK, pair.dst.data(), kTileQ, dqt, kTileQ, true);
+  gemm(p.dh, qt.m_padded, n_vis, kb.kt.data(), p.block_k, pair.dst.data(), p.tile_q, dqt, p.tile_q, true);
 }
 
 // dQ rows [i0, i0 + m) of head (b, h) from the tile's dQᵀ accumulator (times scale).
 template <typename scalar_t, typename T>
 void store_dq_tile(const Problem& p, T* dqt, int64_t b, int64_t h, int64_t i0, T* rows, scalar_t* grad_q) {
-  const int64_t m = std::min(kTileQ, p.tq - i0), dhp = p.dh_padded;
-  transpose_padded(dqt, kTileQ, p.dh, m, rows, dhp, p.dh);
+  const int64_t m = std::min(p.tile_q, p.tq - i0), dhp = p.dh_padded;
+  transpose_padded(dqt, p.tile_q, p.dh, m, rows, dhp, p.dh);
   for (int64_t r = 0; r < m; ++r) {
     store_row(rows + r * dhp, p.dh, static_cast<T>(p.scale), grad_q + ((b * p.heads + h) * p.tq + i0 + r) * p.dh);
   }
 }
 
 // dK and dV of one key block, from every query tile of every head of the group
-// that sees it; with dqt ([G, Tq / kTileQ tiles, Dh, kTileQ]) also the dQᵀ
+// that sees it; with dqt ([G, Tq / p.tile_q tiles, Dh, p.tile_q]) also the dQᵀ
 // contributions of these pairs. tile_for(g, tile) gives the loaded query tile
 // `tile` of head g of the group.
 template <typename scalar_t, typename T, typename TileFor>
 void key_block_grads(const Problem& p, const BackwardInputs<scalar_t>& in, int64_t b, int64_t hk, int64_t k0,
                      KeyBlock<T>& kb, const TileFor& tile_for, PairTiles<T>& pair, T* dk, T* dv, T* dqt,
                      scalar_t* grad_k, scalar_t* grad_v) {
-  const int64_t dh = p.dh, dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ);
+  const int64_t dh = p.dh, dhp = p.dh_padded, q_tiles = ceil_div(p.tq, p.tile_q);
   load_key_block(kb, p, in, b, hk, k0, dqt != nullptr);
-  std::fill(dk, dk + kBlockK * dhp, T(0));
-  std::fill(dv, dv + kBlockK * dhp, T(0));
+  std::fill(dk, dk + p.block_k * dhp, T(0));
+  std::fill(dv, dv + p.block_k * dhp, T(0));
   for (int64_t g = 0; g < p.group; ++g) {
-    for (int64_t tile = p.query_begin(k0) / kTileQ; tile < q_tiles; ++tile) {
+    for (int64_t tile = p.query_begin(k0) / p.tile_q; tile < q_tiles; ++tile) {
       const QueryTile<T>& qt = tile_for(g, tile);
       const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, qt, pair);
       if (n_vis == 0) continue;
-      gemm(n_vis, qt.d_o.cols, qt.m, pair.pt.data(), kTileQ, qt.d_o.data, qt.d_o.ld, dv, dhp, true);
-      gemm(n_vis, qt.q.cols, qt.m, pair.dst.data(), kTileQ, qt.q.data, qt.q.ld, dk, dhp, true);
-      if (dqt != nullptr) accumulate_dq(p, kb, qt, pair, n_vis, dqt + (g * q_tiles + tile) * dhp * kTileQ);
+      gemm(n_vis, qt.d_o.cols, qt.m, pair.pt.data(), p.tile_q, qt.d_o.data, qt.d_o.ld, dv, dhp, true);
+      gemm(n_vis, qt.q.cols, qt.m, pair.dst.data(), p.tile_q, qt.q.data, qt.q.ld, dk, dhp, true);
+      if (dqt != nullptr) accumulate_dq(p, kb, qt, pair, n_vis, dqt + (g * q_tiles + tile) * dhp * p.tile_q);
     }
   }
   for (int64_t r = 0; r < kb.n; ++r) {
@@ -644,32 +657,33 @@ void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at
   scalar_t* dq_data = grad_q.mutable_data_ptr<scalar_t>();
   scalar_t* dk_data = grad_k.mutable_data_ptr<scalar_t>();
   scalar_t* dv_data = grad_v.mutable_data_ptr<scalar_t>();
-  const int64_t dhp = p.dh_padded, q_tiles = ceil_div(p.tq, kTileQ), key_blocks = ceil_div(p.tk, kBlockK);
+  const int64_t dhp = p.dh_padded, q_tiles = ceil_div(p.tq, p.tile_q), key_blocks = ceil_div(p.tk, p.block_k);
   const int64_t units = p.batch * p.kv_heads, threads = at::get_num_threads();
   const bool fused = ceil_div(units, threads) * 5 * threads <= 7 * units;
 
   if (fused) {
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      KeyBlock<T> kb(dhp);
-      std::vector<QueryTile<T>> tiles(p.group * q_tiles, QueryTile<T>(dhp));  // every query tile of the head group
-      PairTiles<T> pair;
-      std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp), dqt(p.group * q_tiles * dhp * kTileQ), rows(kTileQ * dhp);
+      KeyBlock<T> kb(p);
+      std::vector<QueryTile<T>> tiles(p.group * q_tiles, QueryTile<T>(p));  // every query tile of the head group
+      PairTiles<T> pair(p);
+      std::vector<T> dk(p.block_k * dhp), dv(p.block_k * dhp), dqt(p.group * q_tiles * dhp * p.tile_q),
+          rows(p.tile_q * dhp);
       const auto loaded = [&](int64_t g, int64_t tile) -> const QueryTile<T>& { return tiles[g * q_tiles + tile]; };
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t b = unit / p.kv_heads, hk = unit % p.kv_heads;
         for (int64_t g = 0; g < p.group; ++g) {
           for (int64_t tile = 0; tile < q_tiles; ++tile) {
-            load_query_tile(tiles[g * q_tiles + tile], p, in, b, hk * p.group + g, tile * kTileQ);
+            load_query_tile(tiles[g * q_tiles + tile], p, in, b, hk * p.group + g, tile * p.tile_q);
           }
         }
         std::fill(dqt.begin(), dqt.end(), T(0));
         for (int64_t block = 0; block < key_blocks; ++block) {
-          key_block_grads(p, in, b, hk, block * kBlockK, kb, loaded, pair, dk.data(), dv.data(), dqt.data(), dk_data,
+          key_block_grads(p, in, b, hk, block * p.block_k, kb, loaded, pair, dk.data(), dv.data(), dqt.data(), dk_data,
                           dv_data);
         }
         for (int64_t g = 0; g < p.group; ++g) {
           for (int64_t tile = 0; tile < q_tiles; ++tile) {
-            store_dq_tile(p, dqt.data() + (g * q_tiles + tile) * dhp * kTileQ, b, hk * p.group + g, tile * kTileQ,
+            store_dq_tile(p, dqt.data() + (g * q_tiles + tile) * dhp * p.tile_q, b, hk * p.group + g, tile * p.tile_q,
                           rows.data(), dq_data);
           }
         }
@@ -679,44 +693,44 @@ void attention_backward(const Problem& p, const BackwardInputs<scalar_t>& in, at
   }
 
   at::parallel_for(0, units * key_blocks, 1, [&](int64_t begin, int64_t end) {
-    KeyBlock<T> kb(dhp);
-    QueryTile<T> qt(dhp);
-    PairTiles<T> pair;
-    std::vector<T> dk(kBlockK * dhp), dv(kBlockK * dhp);
+    KeyBlock<T> kb(p);
+    QueryTile<T> qt(p);
+    PairTiles<T> pair(p);
+    std::vector<T> dk(p.block_k * dhp), dv(p.block_k * dhp);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / key_blocks, b = unit / p.kv_heads, hk = unit % p.kv_heads;
-      const int64_t k0 = balanced_tile(item % key_blocks, key_blocks) * kBlockK;
+      const int64_t k0 = balanced_tile(item % key_blocks, key_blocks) * p.block_k;
       const auto load = [&](int64_t g, int64_t tile) -> const QueryTile<T>& {
-        load_query_tile(qt, p, in, b, hk * p.group + g, tile * kTileQ);
+        load_query_tile(qt, p, in, b, hk * p.group + g, tile * p.tile_q);
         return qt;
       };
       key_block_grads(p, in, b, hk, k0, kb, load, pair, dk.data(), dv.data(), static_cast<T*>(nullptr), dk_data,
                       dv_data);
     }
   });
-  constexpr int64_t tiles_per_block = kBlockQ / kTileQ;
+  const int64_t tiles_per_block = std::min(kBlockQ / kTileQ, q_tiles);
   const int64_t q_blocks = ceil_div(q_tiles, tiles_per_block);
   at::parallel_for(0, p.batch * p.heads * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    KeyBlock<T> kb(dhp);
-    std::vector<QueryTile<T>> tiles(tiles_per_block, QueryTile<T>(dhp));
-    PairTiles<T> pair;
-    std::vector<T> dqt(tiles_per_block * dhp * kTileQ), rows(kTileQ * dhp);
+    KeyBlock<T> kb(p);
+    std::vector<QueryTile<T>> tiles(tiles_per_block, QueryTile<T>(p));
+    PairTiles<T> pair(p);
+    std::vector<T> dqt(tiles_per_block * dhp * p.tile_q), rows(p.tile_q * dhp);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bh = item / q_blocks, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
       const int64_t first_tile = balanced_tile(item % q_blocks, q_blocks) * tiles_per_block;
       const int64_t count = std::min(tiles_per_block, q_tiles - first_tile);
-      for (int64_t t = 0; t < count; ++t) load_query_tile(tiles[t], p, in, b, h, (first_tile + t) * kTileQ);
+      for (int64_t t = 0; t < count; ++t) load_query_tile(tiles[t], p, in, b, h, (first_tile + t) * p.tile_q);
       std::fill(dqt.begin(), dqt.end(), T(0));
-      const int64_t kv_end = p.key_end(std::min((first_tile + count) * kTileQ, p.tq) - 1);
-      for (int64_t k0 = 0; k0 < kv_end; k0 += kBlockK) {
+      const int64_t kv_end = p.key_end(std::min((first_tile + count) * p.tile_q, p.tq) - 1);
+      for (int64_t k0 = 0; k0 < kv_end; k0 += p.block_k) {
         load_key_block(kb, p, in, b, hk, k0, true);
         for (int64_t t = 0; t < count; ++t) {
           const int64_t n_vis = pair_dscores(p, in.key_bias, b, kb, tiles[t], pair);
-          if (n_vis > 0) accumulate_dq(p, kb, tiles[t], pair, n_vis, dqt.data() + t * dhp * kTileQ);
+          if (n_vis > 0) accumulate_dq(p, kb, tiles[t], pair, n_vis, dqt.data() + t * dhp * p.tile_q);
         }
       }
       for (int64_t t = 0; t < count; ++t) {
-        store_dq_tile(p, dqt.data() + t * dhp * kTileQ, b, h, (first_tile + t) * kTileQ, rows.data(), dq_data);
+        store_dq_tile(p, dqt.data() + t * dhp * p.tile_q, b, h, (first_tile + t) * p.tile_q, rows.data(), dq_data);
       }
     }
   });
