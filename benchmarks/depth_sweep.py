@@ -69,7 +69,7 @@ def measure(cfg: dict, models: list, x, y, vocab: int, rounds: int) -> dict:
     saved = {label: saved_activation_bytes(lambda m=m: model_steps.loss_of(m, x, y)) for label, m in built.items()}
     steps = {}
     for label, model in built.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         steps[label] = lambda model=model, opt=opt: model_steps.train_step(model, opt, x, y)
     times = model_steps.time_round_robin(steps, rounds, warmup=2)
     out = {}

@@ -12,7 +12,7 @@ size C) or ``Block:two_phase`` / ``Block:per_site``; ``--backend`` picks the
 depth-read backend, ``--attention`` the attention's (default ``sdpa``: PyTorch's
 attention, so that the depth reads are what differs between models).
 
-``steps`` times one AdamW step (forward, backward, optimizer) of every model,
+``steps`` times one AdamW step (forward, backward, fused optimizer) of every model,
 round-robin (one step of each model per round, so load on the shared machine
 hits all models alike), and prints the median, quartiles and the ratio of
 medians to the first model. By default torch runs 1 thread and a step is timed
@@ -124,7 +124,7 @@ def cmd_steps(args) -> None:
     models = {name: build(name, args.config, vocab, args.backend, args.attention) for name in args.models}
     steps = {}
     for name, model in models.items():
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
         steps[name] = lambda model=model, opt=opt: train_step(model, opt, x, y)
     print_times(time_round_robin(steps, args.rounds), args.models[0])
 
@@ -171,7 +171,7 @@ def cmd_compile(args) -> None:
     for name in args.models:
         for compiled in (False, True):
             model = build(name, args.config, vocab, args.backend, args.attention)
-            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
             run = torch.compile(model, fullgraph=True) if compiled else model
             fn = lambda run=run, opt=opt: train_step(run, opt, x, y)
             if compiled:

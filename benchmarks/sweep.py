@@ -200,7 +200,7 @@ def bench_models():
             model = getattr(ak.nn, f"{kind}AttnResTransformer" if kind != "Standard" else "StandardTransformer")(
                 *args, backend=backend, attention_backend="sdpa", **extra
             )
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
             def loss_fn():
                 logits = model(idx)

@@ -112,7 +112,7 @@ def test_demo_train_step(benchmark, model):
         d_model, layers, heads, blocks, backend = 128, 6, 4, 3, "auto"
 
     net = build_model(model, len(tok.itos), Args)
-    opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, fused=True)
     x, y = make_batch(pairs[:10], tok)
 
     def step():
