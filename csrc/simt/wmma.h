@@ -22,7 +22,6 @@
 // by every lane.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -53,16 +52,15 @@ namespace detail {
 constexpr int kTile = 16;
 
 inline float to_float(__half h) {
-  const int exponent = (h.bits >> 10) & 0x1f, mantissa = h.bits & 0x3ff;
-  float magnitude;
-  if (exponent == 0) {
-    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
-  } else if (exponent == 31) {
-    magnitude = mantissa ? NAN : INFINITY;
-  } else {
-    magnitude = std::ldexp(static_cast<float>(mantissa + 1024), exponent - 25);
+  const uint32_t sign = uint32_t(h.bits & 0x8000u) << 16, exponent = (h.bits >> 10) & 0x1fu, mantissa = h.bits & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float
+    const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -magnitude : magnitude;
   }
-  return (h.bits & 0x8000) ? -magnitude : magnitude;
+  const uint32_t bits = sign | (exponent == 31 ? 0x7f800000u : (exponent + 112) << 23) | (mantissa << 13);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
 }
 
 inline float to_float(__nv_bfloat16 b) {
