@@ -3,7 +3,9 @@
 // kernel the launchers can choose, and run on the host (no GPU needed) to print
 // one line per kernel: its name as ptxas reports it (demangled) and the largest
 // dynamic shared memory any launch plan gives it. It also checks that every plan
-// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel.
+// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel,
+// and that every attention plan (dtype x Dh x sequence lengths) fits the shared
+// memory of every sm_80+ GPU (the attention kernels: one per dtype, all listed).
 #include <cstdio>
 #include <exception>
 #include <map>
@@ -134,7 +136,8 @@ int main() {
     (void)&attn_bwd_rows_kernel<S>;
     (void)&attn_bwd_dkdv_kernel<S>;
     (void)&attn_bwd_dq_kernel<S>;
-    for (const char* kernel : {"attn_fwd_kernel", "attn_bwd_rows_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}) {
+    for (const char* kernel :
+         {"attn_fwd_kernel", "attn_bwd_rows_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}) {
       const std::string name = attention_kernel_name(kernel, dtype);
       std::printf("%s\t%zu\n", name.c_str(), attention.at(name));
     }
