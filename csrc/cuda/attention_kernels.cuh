@@ -171,8 +171,11 @@ struct AttnPlan {
   size_t shared_bytes = 0;
 };
 
-constexpr size_t kAttnPreferredShared = 48 * 1024;  // no opt-in attribute, more blocks per SM
-constexpr size_t kAttnMaxShared = 99 * 1024;        // every sm_80+ GPU (sm_86/89 allow 99 KiB per block)
+// The tiles are the largest whose shared memory stays within 96 KiB: two blocks per
+// SM on sm_80 (164 KiB) and sm_90 (228 KiB); below 16 x 16 WMMA tiles a block's
+// four warps would idle. No plan exceeds 99 KiB, the per-block limit of sm_86/89.
+constexpr size_t kAttnPreferredShared = 96 * 1024;
+constexpr size_t kAttnMaxShared = 99 * 1024;
 
 template <typename S>
 size_t attn_shared_bytes(AttnKernel kind, int bq, int bk, int dp) {
@@ -200,8 +203,9 @@ inline size_t attn_shared_bytes_of(int32_t dtype, AttnKernel kind, int bq, int b
 
 // The tiles of one kernel for a dtype and head size (and the sequence lengths,
 // which only shrink the tiles of short sequences). Candidates in order of
-// preference (the owned rows first, as large as possible); the first within 48 KiB
-// of shared memory wins, else the smallest (the launch then opts in to more).
+// preference (the owned rows first, as large as possible); the first within
+// kAttnPreferredShared wins, else the smallest. Launches beyond 48 KiB opt in to
+// more shared memory (the Runtime sets the attribute).
 // WMMA tiles are multiples of 16, SIMT tiles of 4 (its 4 x 4 micro-tiles).
 inline AttnPlan plan_attention(AttnKernel kind, int32_t dtype, int64_t dh, int64_t tq, int64_t tk) {
   if (dh < 1 || dh > kAttnMaxHeadDim) {
@@ -210,7 +214,7 @@ inline AttnPlan plan_attention(AttnKernel kind, int32_t dtype, int64_t dh, int64
   }
   const bool wmma = dtype == kFloat16 || dtype == kBFloat16;
   const int granule = wmma ? 16 : 8;
-  constexpr int kCandidates[][2] = {{64, 64}, {64, 32}, {32, 32}, {32, 16}, {16, 16}, {16, 8}, {8, 8}};
+  constexpr int kCandidates[][2] = {{64, 64}, {64, 32}, {32, 32}, {32, 16}, {16, 32}, {16, 16}, {16, 8}, {8, 8}};
   auto shrink = [&](int tile, int64_t length) {
     const int64_t needed = (std::max<int64_t>(length, 1) + granule - 1) / granule * granule;
     return static_cast<int>(needed < tile ? needed : tile);
