@@ -159,3 +159,26 @@ def test_op_checks_its_arguments_before_any_launch():
     with pytest.raises(RuntimeError, match="grad_out and out must be like q"):
         bwd(out[:, :2], None, q, k, v, None, out, lse, True, 0.1)
     assert emulation.launch_log() == []
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_traffic_reads_queries_once_and_skips_tiles_above_the_diagonal(causal):
+    """Global-memory bytes the harness counted: q read and out / lse written exactly once; each
+    query tile reads the keys and values up to its last visible key (whole key tiles of at
+    most 64 rows), so under the causal mask far fewer than the full pass."""
+    batch, heads, kv_heads, t, dh, size = 1, 2, 1, 200, 32, 2
+    q, k, v = make_qkv(batch, heads, kv_heads, t, t, dh, torch.float16)
+    ak.attention(q, k, v, causal=causal, backend="cuda")
+    (launch,) = [x for x in emulation.launch_log() if x.kernel.startswith("attn_fwd")]
+    assert launch.read("q") == q.numel() * size and launch.written("out") == q.numel() * size
+    assert launch.written("lse") == batch * heads * t * 4 and launch.traffic["untracked"] == (0, 0)
+    tiles = launch.grid[0]
+    block_q = next(b for b in (8, 16, 32, 64) if -(-t // b) == tiles)
+    row_bytes = dh * size * heads  # every query head reads its kv head's rows
+    full = tiles * t * row_bytes
+    if not causal:
+        assert launch.read("k") == launch.read("v") == full
+        return
+    last_visible = [min(t, i0 + block_q) for i0 in range(0, t, block_q)]  # Tq = Tk: query i sees keys <= i
+    low, high = sum(last_visible) * row_bytes, sum(min(t, e + 63) for e in last_visible) * row_bytes
+    assert low <= launch.read("k") == launch.read("v") <= high < full
