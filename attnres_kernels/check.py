@@ -58,10 +58,16 @@ def _demangle(names: list) -> list:
     return result.stdout.splitlines()
 
 
+ATTENTION_DTYPES = {"attnres::cuda::Half": "fp16", "attnres::cuda::BFloat16": "bf16", "float": "fp32", "double": "fp64"}
+
+
 def _cuda_label(demangled: str) -> tuple:
     """(kernel, dtype column, config column) of a demangled kernel name."""
     m = KERNEL.search(demangled)
     name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+    if name.startswith("attn_"):  # fused attention: one kernel per storage dtype; WMMA for fp16/bf16 products
+        dtype = ATTENTION_DTYPES[args[0]]
+        return name, dtype, "wmma" if dtype in ("fp16", "bf16") and name != "attn_bwd_rows" else "simt"
     acc = "acc=fp64" if args[0] == "double" else "acc=fp32"
     config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
     if len(args) == 5:  # the backward, without and with the fused output norm

@@ -85,3 +85,56 @@ def test_bitwise_deterministic_on_device(merge):
 
     for a, b in zip(run(), run()):
         assert torch.equal(a, b)
+
+
+def _attention_qkv(batch, heads, kv_heads, tq, tk, dh, dtype):
+    def make(h, t):  # head views of [B, T, heads, Dh] tensors: strided input
+        return torch.randn(batch, t, h, dh, device="cuda", dtype=torch.float64).to(dtype).transpose(1, 2)
+
+    return make(heads, tq), make(kv_heads, tk), make(kv_heads, tk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "tq,tk,dh,causal,masked", [(300, 300, 64, True, True), (77, 500, 128, True, False), (64, 33, 256, False, True)]
+)
+def test_attention_matches_reference_on_device(dtype, tq, tk, dh, causal, masked):
+    """The nvcc build of the fused attention (WMMA for fp16/bf16, SIMT for fp32): outputs and
+    gradients against the reference by FlashAttention's rule, and the CUDA ops ran."""
+    q, k, v = _attention_qkv(2, 4, 2, tq, tk, dh, dtype)
+    mask = (torch.rand(2, tk, device="cuda") > 0.3) if masked else None
+
+    def run(backend):
+        def fn(qkv):
+            return ak.attention(*qkv, causal=causal, key_padding_mask=mask, return_lse=True, backend=backend)
+
+        return fn
+
+    weights = [torch.randn(q.shape, device="cuda", dtype=torch.float64), torch.randn(q.shape[:-1], device="cuda")]
+    weights[1] = weights[1].double()
+    ops_ran = attnres_ops_called(lambda: read_with_grads(run("cuda"), [q, k, v], [], weights))
+    assert {"attnres::attn_fwd", "attnres::attn_bwd"} <= ops_ran
+    got = read_with_grads(run("cuda"), [q, k, v], [], weights)
+    same = read_with_grads(run("reference"), [q, k, v], [], weights)
+    oracle = read_with_grads(run("reference"), [t.double() for t in (q, k, v)], [], weights)
+    finite = torch.isfinite(oracle[0][1])
+    for name, a, b, c in zip(["out", "lse"], got[0], same[0], oracle[0]):
+        a, b, c = (x.where(finite, 0) if name == "lse" else x for x in (a, b, c))
+        assert_close_to_oracle(name, a, b, c)
+    for name, a, b, c in zip(["dq", "dk", "dv"], got[1], same[1], oracle[1]):
+        assert a.dtype == dtype
+        assert_close_to_oracle(name, a, b, c)
+
+
+def test_attention_bitwise_deterministic_on_device():
+    q, k, v = _attention_qkv(2, 8, 2, 513, 513, 128, torch.bfloat16)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ak.attention(*leaves, return_lse=True, backend="cuda")
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        loss = (out.float() * torch.randn(out.shape, generator=gen, device="cuda")).sum() + lse.sum()
+        return [out, lse, *torch.autograd.grad(loss, leaves)]
+
+    for a, b in zip(run(), run()):
+        assert torch.equal(a, b)

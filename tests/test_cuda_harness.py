@@ -1,5 +1,10 @@
-"""The SIMT harness itself, and the mixed-dtype contract (tests/test_mixed_dtypes.py) for the
-emulated CUDA backend."""
+"""The SIMT harness itself (its WMMA emulation included), and the mixed-dtype contract
+(tests/test_mixed_dtypes.py) for the emulated CUDA backend."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,3 +67,56 @@ def test_mixed_sources_match_the_fp64_oracle(mix, q, out_norm, merge):
 @pytest.mark.parametrize("out_norm", [False, True])
 def test_mixed_gradcheck_fp64_with_fp32_sources(out_norm):
     mixed_gradcheck("cuda", out_norm)
+
+
+# ---------------------------------------------------------------- the WMMA emulation (csrc/simt/wmma.h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("b_transposed", [False, True])
+def test_wmma_matches_a_matmul(dtype, b_transposed):
+    """c + a · b by 16 x 16 x 16 fragments (b row-major, or col-major: stored transposed)
+    against an fp64 matmul, within the bound of an fp32 sum of exact products."""
+    m, n, k = 48, 64, 80
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    c = torch.randn(m, n)
+    got = torch.ops.attnres_emu.wmma_matmul(a, b.T.contiguous() if b_transposed else b, c, b_transposed, 0)
+    want = c.double() + a.double() @ b.double()
+    bound = (k + 1) * 2.0**-24 * (c.double().abs() + a.double().abs() @ b.double().abs())
+    assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_wmma_operands_widen_exactly(dtype):
+    """Every finite 16-bit value (subnormals included) times the identity comes back as itself."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    values = bits.view(dtype)
+    values = values[torch.isfinite(values)]
+    values = values[: values.numel() // 256 * 256].reshape(-1, 16)
+    eye = torch.eye(16).to(dtype)
+    got = torch.ops.attnres_emu.wmma_matmul(values, eye, torch.zeros(values.shape[0], 16), False, 0)
+    assert torch.equal(got, values.float())
+
+
+def test_wmma_lane_that_skips_a_call_deadlocks():
+    """Warp-collective like the real API: a lane that does not call load/mma/store
+    leaves the rest of its warp waiting, which the scheduler reports."""
+    a, b = torch.randn(16, 16).half(), torch.randn(16, 16).half()
+    with pytest.raises(RuntimeError, match="deadlock"):
+        torch.ops.attnres_emu.wmma_matmul(a, b, torch.zeros(16, 16), False, 2)
+
+
+def test_wmma_lanes_with_different_pointers_are_reported():
+    """Lanes passing different pointers to load_matrix_sync: reported, and the process aborts
+    (like the harness's other misuse checks), so this runs in a subprocess."""
+    code = (
+        "import torch; from attnres_kernels.cuda import emulation; assert emulation.load() is None; "
+        "a = torch.randn(32, 16).half(); "
+        "torch.ops.attnres_emu.wmma_matmul(a, torch.randn(16, 16).half(), torch.zeros(32, 16), False, 1)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, emulation.ENV: "1", "PYTHONPATH": str(root)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "wmma misuse: load_matrix_sync: the lanes passed different pointers" in result.stderr

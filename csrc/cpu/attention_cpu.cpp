@@ -41,6 +41,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../attention.h"
+
 namespace attnres {
 namespace {
 
@@ -59,7 +61,6 @@ constexpr int64_t kTileK = 256;
 constexpr int64_t kBlockK = 256;
 constexpr int64_t kTileQ = 64;
 constexpr int64_t kAlign = 16;
-constexpr int64_t kMaxHeadDim = 256;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -71,69 +72,24 @@ inline int64_t balanced_tile(int64_t t, int64_t n) { return t % 2 == 0 ? t / 2 :
 
 // ---------------------------------------------------------------- problem and inputs
 
-struct Problem {
-  int64_t batch, heads, kv_heads, group, tq, tk, dh;
+// The shared problem sizes (../attention.h) plus the row length of the packed
+// tiles and the tile sizes of this problem.
+struct Problem : AttentionProblem {
   int64_t dh_padded;                         // Dh rounded up to kAlign: the row length of every packed [rows, Dh] tile
-  int64_t offset;                            // Tk - Tq: query i sees keys j <= i + offset under the causal mask
   int64_t block_q, tile_k, block_k, tile_q;  // kBlockQ, kTileK, kBlockK, kTileQ, or T rounded up when shorter
-  bool causal;
-  double scale;
-
-  // Number of keys [0, n) that query row i may see (before key padding).
-  int64_t key_end(int64_t i) const { return causal ? std::clamp<int64_t>(i + offset + 1, 0, tk) : tk; }
-  // First query row that may see key j.
-  int64_t query_begin(int64_t j) const { return causal ? std::clamp<int64_t>(j - offset, 0, tq) : 0; }
 };
-
-inline bool is_supported_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-inline at::ScalarType accumulation_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 Problem check_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                       const c10::optional<at::Tensor>& key_padding_mask, bool causal, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k, v must be 4-D [B, heads, T, Dh], got ",
-              q.sizes(), ", ", k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(is_supported_dtype(q.scalar_type()), "attention: unsupported dtype ", q.scalar_type());
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
-              "attention: q, k, v must have one dtype, got ", q.scalar_type(), ", ", k.scalar_type(), ", ",
-              v.scalar_type());
-  TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), "attention: q, k, v on different devices");
-  TORCH_CHECK(k.sizes() == v.sizes(), "attention: k and v must have one shape, got ", k.sizes(), ", ", v.sizes());
-  Problem p;
-  p.batch = q.size(0);
-  p.heads = q.size(1);
-  p.tq = q.size(2);
-  p.dh = q.size(3);
-  p.kv_heads = k.size(1);
-  p.tk = k.size(2);
-  TORCH_CHECK(k.size(0) == p.batch && k.size(3) == p.dh, "attention: k/v ", k.sizes(), " do not match q ", q.sizes(),
-              " in batch size or head size");
-  TORCH_CHECK(p.dh > 0 && p.dh <= kMaxHeadDim, "attention (cpu): head size must be in [1, ", kMaxHeadDim, "], got ",
-              p.dh);
-  TORCH_CHECK(p.kv_heads > 0 && p.heads % p.kv_heads == 0, "attention: query heads H = ", p.heads,
-              " must be a multiple of key/value heads Hkv = ", p.kv_heads);
-  if (key_padding_mask.has_value()) {
-    const at::Tensor& m = *key_padding_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool, "attention: key_padding_mask must be bool, got ", m.scalar_type());
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == p.batch && m.size(1) == p.tk,
-                "attention: key_padding_mask must be [B, Tk] = [", p.batch, ", ", p.tk, "], got ", m.sizes());
-    TORCH_CHECK(m.device() == q.device(), "attention: key_padding_mask is on another device");
-  }
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "attention: scale must be positive and finite, got ", scale);
-  p.group = p.heads / p.kv_heads;
-  p.dh_padded = round_up(p.dh, kAlign);
-  p.offset = p.tk - p.tq;
-  const int64_t tq_padded = round_up(std::max<int64_t>(p.tq, 1), kAlign);
-  const int64_t tk_padded = round_up(std::max<int64_t>(p.tk, 1), kAlign);
-  p.block_q = std::min(kBlockQ, tq_padded);
-  p.tile_q = std::min(kTileQ, tq_padded);
-  p.tile_k = std::min(kTileK, tk_padded);
-  p.block_k = std::min(kBlockK, tk_padded);
-  p.causal = causal;
-  p.scale = scale;
-  return p;
+  const AttentionProblem shared = check_attention_problem(q, k, v, key_padding_mask, causal, scale);
+  const int64_t tq_padded = round_up(std::max<int64_t>(shared.tq, 1), kAlign);
+  const int64_t tk_padded = round_up(std::max<int64_t>(shared.tk, 1), kAlign);
+  return {shared,
+          round_up(shared.dh, kAlign),
+          std::min(kBlockQ, tq_padded),
+          std::min(kTileK, tk_padded),
+          std::min(kBlockK, tk_padded),
+          std::min(kTileQ, tq_padded)};
 }
 
 // The rows of a [B, heads, T, Dh] tensor whose last dim is unit-stride (any other strides).
@@ -758,21 +714,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cpu(
     const at::Tensor& lse, bool causal, double scale) {
   const Problem p = check_problem(q, k, v, key_padding_mask, causal, scale);
   const auto acc = accumulation_type(q.scalar_type());
-  for (const auto* t : {&grad_out, &out}) {
-    TORCH_CHECK(t->sizes() == q.sizes() && t->scalar_type() == q.scalar_type(),
-                "attn_bwd: grad_out and out must be like q: ", q.sizes(), " ", q.scalar_type(), ", got ", t->sizes(),
-                " ", t->scalar_type());
-  }
+  const at::Tensor dlse = check_attention_backward(p, grad_out, grad_lse, q, out, lse);
   const std::vector<int64_t> row_shape = {p.batch, p.heads, p.tq};
-  TORCH_CHECK(lse.sizes() == at::IntArrayRef(row_shape) && lse.scalar_type() == acc, "attn_bwd: lse must be ",
-              at::IntArrayRef(row_shape), " ", acc, ", got ", lse.sizes(), " ", lse.scalar_type());
-  at::Tensor dlse;
-  if (grad_lse.has_value()) {
-    TORCH_CHECK(grad_lse->sizes() == at::IntArrayRef(row_shape) && at::isFloatingType(grad_lse->scalar_type()),
-                "attn_bwd: grad_lse must be a floating ", at::IntArrayRef(row_shape), " tensor, got ",
-                grad_lse->sizes(), " ", grad_lse->scalar_type());
-    dlse = grad_lse->to(acc).contiguous();
-  }
   at::Tensor grad_q = at::empty(q.sizes(), q.options());
   at::Tensor grad_k = at::empty(k.sizes(), k.options());
   at::Tensor grad_v = at::empty(v.sizes(), v.options());

@@ -2,7 +2,7 @@
 // (DESIGN.md §4): nvcc maps them to CUDA, the host compiler to the SIMT harness
 // (csrc/simt/simt.h), which also counts every global-memory access.
 //
-//   load_global(p)      a read-only global load (`__ldg`); 2, 4, 8, 16 or 32 bytes
+//   load_global(p)      a read-only global load (`__ldg`); 1, 2, 4, 8, 16 or 32 bytes
 //   load_uniform(p)     a load every lane of a warp makes from the same address
 //                       (one request per warp: the harness counts it once per warp)
 //   store_global(p, v)  a global store
@@ -49,6 +49,10 @@ struct BFloat16 {
 // Unsigned integer of N bytes, the unit of a vector load.
 template <int N>
 struct Bits;
+template <>
+struct Bits<1> {
+  using type = unsigned char;
+};
 template <>
 struct Bits<2> {
   using type = unsigned short;

@@ -4,6 +4,7 @@
 // SIMT harness build (csrc/simt/emulated_ops.cpp); CudaRuntime below launches its
 // torch-free kernels (csrc/cuda/*_kernels.cuh) on the current stream.
 //   depth read: depth_attention_ops.h
+//   fused attention: attention_ops.h
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "attention_ops.h"
 #include "depth_attention_ops.h"
 
 namespace attnres::cuda {
@@ -64,11 +66,30 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
                         out_norm_weight, logits, rinv, eps);
 }
 
+std::tuple<at::Tensor, at::Tensor> attn_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const c10::optional<at::Tensor>& key_padding_mask, bool causal,
+                                                 double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  CudaRuntime rt;
+  return attn_fwd(rt, q, k, v, key_padding_mask, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cuda(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const c10::optional<at::Tensor>& key_padding_mask, const at::Tensor& out,
+    const at::Tensor& lse, bool causal, double scale) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  CudaRuntime rt;
+  return attn_bwd(rt, grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal, scale);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
   m.impl("depth_attn_fwd", &depth_attn_fwd_cuda);
   m.impl("depth_attn_bwd", &depth_attn_bwd_cuda);
+  m.impl("attn_fwd", &attn_fwd_cuda);
+  m.impl("attn_bwd", &attn_bwd_cuda);
 }
 
 }  // namespace attnres::cuda

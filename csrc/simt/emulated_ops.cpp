@@ -14,9 +14,11 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "../cuda/attention_ops.h"
 #include "../cuda/depth_attention_ops.h"
 #include "simt.h"
 
@@ -66,6 +68,86 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   Runtime rt;
   return cuda::depth_attn_bwd(rt, grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse,
                               out_norm_weight, logits, rinv, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            const c10::optional<at::Tensor>& key_padding_mask, bool causal,
+                                            double scale) {
+  Runtime rt;
+  return cuda::attn_fwd(rt, q, k, v, key_padding_mask, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(const at::Tensor& grad_out,
+                                                        const c10::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        const c10::optional<at::Tensor>& key_padding_mask,
+                                                        const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                                        double scale) {
+  Runtime rt;
+  return cuda::attn_bwd(rt, grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal, scale);
+}
+
+// c + a · b through the emulated WMMA calls (csrc/simt/wmma.h), one warp per 16 x 16
+// tile of c, straight from global memory: checks the emulation against a matmul.
+// `misuse` breaks the warp-collective contract on purpose: 1, lane 5 passes
+// another pointer (reported, aborts); 2, lane 3 skips the calls (a deadlock).
+template <typename W, typename Layout>
+__global__ void wmma_matmul_kernel(const W* a, const W* b, float* c, int M, int N, int K, int misuse) {
+  namespace wmma = nvcuda::wmma;
+  constexpr bool kColMajor = std::is_same_v<Layout, wmma::col_major>;
+  const int warps = blockDim.x / 32, lane = threadIdx.x % 32;
+  const int tile = blockIdx.x * warps + threadIdx.x / 32, tiles_n = N / 16;
+  if (tile >= (M / 16) * tiles_n || (misuse == 2 && lane == 3)) return;
+  const int m0 = tile / tiles_n * 16, n0 = tile % tiles_n * 16;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::load_matrix_sync(acc, c + m0 * N + n0, N, wmma::mem_row_major);
+  for (int k0 = 0; k0 < K; k0 += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, W, wmma::row_major> fa;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, W, Layout> fb;
+    const W* pa = a + m0 * K + k0;
+    wmma::load_matrix_sync(fa, misuse == 1 && lane == 5 ? pa + 16 * K : pa, K);
+    wmma::load_matrix_sync(fb, kColMajor ? b + n0 * K + k0 : b + k0 * N + n0, kColMajor ? K : N);
+    wmma::mma_sync(acc, fa, fb, acc);
+  }
+  wmma::store_matrix_sync(c + m0 * N + n0, acc, N, wmma::mem_row_major);
+}
+
+at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tensor& c, bool b_transposed,
+                       int64_t misuse) {
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && c.dim() == 2, "wmma_matmul: 2-d operands");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16),
+              "wmma_matmul: a and b must both be fp16 or bf16");
+  TORCH_CHECK(c.scalar_type() == at::kFloat, "wmma_matmul: c must be fp32");
+  const int64_t M = a.size(0), K = a.size(1), N = b_transposed ? b.size(0) : b.size(1);
+  TORCH_CHECK((b_transposed ? b.size(1) : b.size(0)) == K && c.size(0) == M && c.size(1) == N,
+              "wmma_matmul: shapes do not match");
+  TORCH_CHECK(M % 16 == 0 && N % 16 == 0 && K % 16 == 0 && M > 0 && N > 0 && K > 0,
+              "wmma_matmul: sizes must be positive multiples of 16");
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  at::Tensor out = c.contiguous().clone();
+  const int tiles = static_cast<int>((M / 16) * (N / 16));
+  const dim3 grid(static_cast<unsigned>((tiles + 3) / 4)), block(128);
+  auto run = [&](auto w, auto layout) {
+    using W = decltype(w);
+    using Layout = decltype(layout);
+    simt::launch("wmma_matmul", &wmma_matmul_kernel<W, Layout>, grid, block, 0,
+                 reinterpret_cast<const W*>(ac.const_data_ptr()), reinterpret_cast<const W*>(bc.const_data_ptr()),
+                 out.mutable_data_ptr<float>(), static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
+                 static_cast<int>(misuse));
+  };
+  auto with_layout = [&](auto w) {
+    if (b_transposed) {
+      run(w, nvcuda::wmma::col_major{});
+    } else {
+      run(w, nvcuda::wmma::row_major{});
+    }
+  };
+  if (a.scalar_type() == at::kHalf) {
+    with_layout(__half{});
+  } else {
+    with_layout(__nv_bfloat16{});
+  }
+  return out;
 }
 
 // x (fp32 or fp64) rounded to fp16 / bf16 by the device conversion (from_acc) in a
@@ -122,6 +204,14 @@ TORCH_LIBRARY(attnres_emu, m) {
       "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
       "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
       "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The schemas of attnres::attn_fwd / _bwd (csrc/bindings.cpp).
+  m.def(
+      "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float scale) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
+      "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  m.def("wmma_matmul(Tensor a, Tensor b, Tensor c, bool b_transposed, int misuse) -> Tensor");
   m.def("launch_log() -> str", &launch_log);
   m.def("round_to(Tensor x, ScalarType dtype) -> Tensor");
 }
@@ -130,6 +220,9 @@ TORCH_LIBRARY_IMPL(attnres_emu, CPU, m) {
   m.impl("depth_attn_fwd", &depth_attn_fwd);
   m.impl("depth_attn_bwd", &depth_attn_bwd);
   m.impl("round_to", &round_to);
+  m.impl("attn_fwd", &attn_fwd);
+  m.impl("attn_bwd", &attn_bwd);
+  m.impl("wmma_matmul", &wmma_matmul);
 }
 
 }  // namespace attnres::emulated

@@ -22,6 +22,11 @@
 // `__shared__` is deliberately not provided: kernels use dynamic shared memory
 // only, which the harness can poison.
 //
+// WMMA (tensor-core tile products): csrc/simt/wmma.h provides the nvcuda::wmma
+// names the kernels use (m16n16k16 fp16/bf16 fragments, fp32 accumulators,
+// load/store/fill/mma), warp-collective like the real API (a warp barrier per
+// call; every lane must pass the same pointer and ldm), with fp32 accumulation.
+//
 // Counting. simt::track(group, ptr, bytes) names a buffer before a launch; every
 // global access a kernel makes through the device memory layer
 // (csrc/cuda/device_memory.cuh) is added to the group whose buffer contains it,

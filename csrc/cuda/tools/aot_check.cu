@@ -3,13 +3,16 @@
 // kernel the launchers can choose, and run on the host (no GPU needed) to print
 // one line per kernel: its name as ptxas reports it (demangled) and the largest
 // dynamic shared memory any launch plan gives it. It also checks that every plan
-// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel.
+// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel,
+// and that every attention plan (dtype x Dh x sequence lengths) fits the shared
+// memory of every sm_80+ GPU (the attention kernels: one per dtype, all listed).
 #include <cstdio>
 #include <exception>
 #include <map>
 #include <string>
 #include <tuple>
 
+#include "../attention_kernels.cuh"
 #include "../depth_attention_kernels.cuh"
 
 using namespace attnres::cuda;
@@ -39,9 +42,39 @@ std::map<TileKey, size_t> largest_shared_bytes() {
   return shared;
 }
 
+// The name ptxas reports for an attention kernel of storage dtype `dtype`, demangled.
+std::string attention_kernel_name(const char* kernel, int32_t dtype) {
+  const char* type = dtype == kFloat16    ? "attnres::cuda::Half"
+                     : dtype == kBFloat16 ? "attnres::cuda::BFloat16"
+                     : dtype == kFloat32  ? "float"
+                                          : "double";
+  return std::string(kernel) + "<" + type + ">";
+}
+
 std::string kernel_name(const char* kernel, bool acc_double, int G, int K, int QT) {
   return std::string(kernel) + "<" + (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " +
          std::to_string(K) + ", " + std::to_string(QT) + ">";
+}
+
+// The largest dynamic shared memory of each attention kernel (by dtype) over every
+// plan: head sizes 1..256 and sequence lengths from 1 (the tiles shrink) to long.
+// plan_attention throws when a plan exceeds the shared memory every sm_80+ GPU has.
+std::map<std::string, size_t> attention_shared_bytes() {
+  std::map<std::string, size_t> shared;
+  for (int32_t dtype : {kFloat16, kBFloat16, kFloat32, kFloat64}) {
+    for (int kind = 0; kind < 3; ++kind) {
+      const char* name = kind == 0 ? "attn_fwd_kernel" : kind == 1 ? "attn_bwd_dkdv_kernel" : "attn_bwd_dq_kernel";
+      for (int64_t dh = 1; dh <= kAttnMaxHeadDim; ++dh) {
+        for (int64_t t : {1, 8, 16, 17, 33, 64, 1 << 20}) {
+          const AttnPlan p = plan_attention(static_cast<AttnKernel>(kind), dtype, dh, t, t);
+          auto& s = shared[attention_kernel_name(name, dtype)];
+          s = std::max(s, p.shared_bytes);
+        }
+      }
+    }
+    shared[attention_kernel_name("attn_bwd_rows_kernel", dtype)] = 0;
+  }
+  return shared;
 }
 
 }  // namespace
@@ -89,6 +122,30 @@ int main() {
            reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
     }
   });
+  std::map<std::string, size_t> attention;
+  try {
+    attention = attention_shared_bytes();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "an attention launch plan failed: %s\n", e.what());
+    return 1;
+  }
+  // Every attention kernel: one instantiation per storage dtype, each reached by its dtype's plans.
+  auto emit_attention = [&](auto s, int32_t dtype) {
+    using S = decltype(s);
+    (void)&attn_fwd_kernel<S>;
+    (void)&attn_bwd_rows_kernel<S>;
+    (void)&attn_bwd_dkdv_kernel<S>;
+    (void)&attn_bwd_dq_kernel<S>;
+    for (const char* kernel :
+         {"attn_fwd_kernel", "attn_bwd_rows_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}) {
+      const std::string name = attention_kernel_name(kernel, dtype);
+      std::printf("%s\t%zu\n", name.c_str(), attention.at(name));
+    }
+  };
+  emit_attention(Half{}, kFloat16);
+  emit_attention(BFloat16{}, kBFloat16);
+  emit_attention(float{}, kFloat32);
+  emit_attention(double{}, kFloat64);
   std::printf("column_sum_kernel<float>\t0\n");
   std::printf("column_sum_kernel<double>\t0\n");
   (void)&column_sum_kernel<float>;
