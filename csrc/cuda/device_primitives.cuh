@@ -6,7 +6,7 @@
 //   load_uniform(p)     a load every lane of a warp makes from the same address
 //                       (one request per warp: the harness counts it once per warp)
 //   store_global(p, v)  a global store
-//   dynamic_shared<T>() the launch's dynamic shared memory (16-byte aligned)
+//   dynamic_shared<T>() the launch's dynamic shared memory (32-byte aligned: WMMA operands)
 //   Half / BFloat16     16-bit storage types; to_acc / from_acc convert with
 //                       round-to-nearest-even, directly from double for fp64 math
 //   dev_sqrt, dev_exp, dev_log, dev_isnan   float and double overloads
@@ -131,7 +131,7 @@ __device__ __forceinline__ void store_global(T* p, const T& value) {
 template <typename T>
 __device__ __forceinline__ T* dynamic_shared() {
 #if defined(__CUDACC__)
-  extern __shared__ __align__(16) unsigned char attnres_dynamic_shared[];
+  extern __shared__ __align__(32) unsigned char attnres_dynamic_shared[];
   return reinterpret_cast<T*>(attnres_dynamic_shared);
 #else
   return simt::dynamic_shared<T>();
