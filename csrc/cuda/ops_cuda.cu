@@ -4,6 +4,7 @@
 // SIMT harness build (csrc/simt/emulated_ops.cpp); CudaRuntime below launches its
 // torch-free kernels (csrc/cuda/*_kernels.cuh) on the current stream.
 //   depth read: depth_attention_ops.h
+//   Block step: block_step_ops.h (its autograd is the C++ one on the Autograd key)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "block_step_ops.h"
 #include "depth_attention_ops.h"
 
 namespace attnres::cuda {
@@ -64,11 +66,33 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
                         out_norm_weight, logits, rinv, eps);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_fwd_cuda(
+    const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  const c10::cuda::CUDAGuard guard(update.device());
+  CudaRuntime rt;
+  return block_step_fwd(rt, partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_bwd_cuda(
+    const c10::optional<at::Tensor>& grad_new_partial, const c10::optional<at::Tensor>& grad_out,
+    const c10::optional<at::Tensor>& grad_lse, const at::Tensor& new_partial, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
+  const c10::cuda::CUDAGuard guard(new_partial.device());
+  CudaRuntime rt;
+  return block_step_bwd(rt, grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out,
+                        prefix_lse, out_norm_weight, logit, rinv, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
   m.impl("depth_attn_fwd", &depth_attn_fwd_cuda);
   m.impl("depth_attn_bwd", &depth_attn_bwd_cuda);
+  m.impl("block_step_fwd", &block_step_fwd_cuda);
+  m.impl("block_step_bwd", &block_step_bwd_cuda);
 }
 
 }  // namespace attnres::cuda
