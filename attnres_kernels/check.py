@@ -64,10 +64,8 @@ def _cuda_label(demangled: str) -> tuple:
     name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
     acc = "acc=fp64" if args[0] == "double" else "acc=fp32"
     config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
-    if len(args) in (3, 4) and KERNEL.search(demangled).group(1) in ("block_step_fwd", "block_step_bwd"):
-        config = f"G={args[1]} K={args[2]}"  # the Block step: one site, no QT
-        if len(args) == 4:  # its backward, without and with the fused output norm
-            config += f" norm={int(args[3] == 'true')}"
+    if len(args) == 3:  # the Block step: one site, no QT
+        config = f"G={args[1]} K={args[2]}"
     if len(args) == 5:  # the backward, without and with the fused output norm
         config += f" norm={int(args[4] == 'true')}"
     return name, acc, config

@@ -233,13 +233,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_fwd_kernel(StepFwdP
 
 // ------------------------------------------------------------------ backward
 
-// kNorm (the fused output norm) is a template parameter, as in the depth read's
-// backward: both paths in one kernel would not fit the register budget.
-template <typename acc_t, int G, int K, bool kNorm>
+template <typename acc_t, int G, int K>
 __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
-  constexpr bool has_norm = kNorm;
+  const bool has_norm = a.g != nullptr;
   const int64_t chunk = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (chunk >= a.num_chunks) return;  // only one-warp teams come several to a block; they use no block barrier
   const int64_t tile = int64_t(K) * G * blockDim.x;
@@ -252,7 +250,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
   const SiteTile<acc_t, G, K, 1> dg{smem + (3 * blockDim.y + threadIdx.y) * tile};
   u.stage(a.u, 1, D);
   du.zero();
-  if constexpr (has_norm) {
+  if (has_norm) {
     g.stage(a.g, 1, D);
     dg.zero();
   }
@@ -272,7 +270,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
       fill(dO, acc_t(0));
     }
     acc_t dp[2] = {acc_t(0), acc_t(0)};  // <do, h_a>, <do, v>
-    if constexpr (has_norm) {
+    if (has_norm) {
       // h = α_a h_a + α_b v replaces h_a in registers; one team reduction gives
       // rstd, k = -rstd³ <g dy, h> / D and, as do = rstd g dy + k h, both <do, ·>.
       acc_t sums[6] = {};  // Σ h², <g dy, h>, <g dy, h_a>, <h, h_a>, <g dy, v>, <h, v>
@@ -349,7 +347,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
 #pragma unroll
     for (int e = 0; e < G; ++e) row[k][e] = du.at(0, k, e);
   store_acc_row(a.du_part + chunk * D, D, a.vec, row);
-  if constexpr (has_norm) {
+  if (has_norm) {
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -398,12 +396,8 @@ void launch_block_step_bwd(Runtime& rt, const DepthPlan& plan, const StepBwdPara
       if constexpr (step_tile_fits(Pass::kBackward, kDouble, G, K)) {
         if (plan.group == G && plan.groups_per_thread == K) {
           const std::string name = step_tile_name("block_step_bwd", kDouble, G, K) + (norm ? "[norm]" : "");
-          const dim3 grid(static_cast<unsigned>(plan.grid_x)), block(plan.threads, plan.teams);
-          if (norm) {
-            rt.launch(name, &block_step_bwd_kernel<acc_t, G, K, true>, grid, block, plan.shared_bytes, params);
-          } else {
-            rt.launch(name, &block_step_bwd_kernel<acc_t, G, K, false>, grid, block, plan.shared_bytes, params);
-          }
+          rt.launch(name, &block_step_bwd_kernel<acc_t, G, K>, dim3(static_cast<unsigned>(plan.grid_x)),
+                    dim3(plan.threads, plan.teams), plan.shared_bytes, params);
           launched = true;
         }
       }

@@ -116,11 +116,10 @@ int main() {
   });
   // The Block step (block_step_kernels.cuh): one kernel per pass, accumulation type and tile.
   size_t step_kernels = 0;
-  // The backward comes with and without the fused output norm (its last template argument).
-  auto emit_step = [&](Pass pass, bool acc_double, int G, int K, bool norm, const void* /*kernel*/) {
-    std::string name = std::string(pass == Pass::kForward ? "block_step_fwd_kernel" : "block_step_bwd_kernel") + "<" +
-                       (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " + std::to_string(K) + ">";
-    if (pass == Pass::kBackward) name.insert(name.size() - 1, norm ? ", true" : ", false");
+  auto emit_step = [&](Pass pass, bool acc_double, int G, int K, const void* /*kernel*/) {
+    const std::string name = std::string(pass == Pass::kForward ? "block_step_fwd_kernel" : "block_step_bwd_kernel") +
+                             "<" + (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " +
+                             std::to_string(K) + ">";
     const auto it = step_shared.find({static_cast<int>(pass), acc_double, G, K});
     if (it == step_shared.end()) {
       std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
@@ -128,28 +127,18 @@ int main() {
       return;
     }
     std::printf("%s\t%zu\n", name.c_str(), it->second);
-    step_kernels += pass == Pass::kForward || norm;  // one plan key for both backward variants
+    ++step_kernels;
   };
   for_each_value<4, 8>([&](auto G) {
     for_each_value<1, 2>([&](auto K) {
       if constexpr (step_tile_fits(Pass::kForward, false, G, K))
-        emit_step(Pass::kForward, false, G, K, false,
-                  reinterpret_cast<const void*>(&block_step_fwd_kernel<float, G, K>));
+        emit_step(Pass::kForward, false, G, K, reinterpret_cast<const void*>(&block_step_fwd_kernel<float, G, K>));
       if constexpr (step_tile_fits(Pass::kForward, true, G, K))
-        emit_step(Pass::kForward, true, G, K, false,
-                  reinterpret_cast<const void*>(&block_step_fwd_kernel<double, G, K>));
-      if constexpr (step_tile_fits(Pass::kBackward, false, G, K)) {
-        emit_step(Pass::kBackward, false, G, K, false,
-                  reinterpret_cast<const void*>(&block_step_bwd_kernel<float, G, K, false>));
-        emit_step(Pass::kBackward, false, G, K, true,
-                  reinterpret_cast<const void*>(&block_step_bwd_kernel<float, G, K, true>));
-      }
-      if constexpr (step_tile_fits(Pass::kBackward, true, G, K)) {
-        emit_step(Pass::kBackward, true, G, K, false,
-                  reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K, false>));
-        emit_step(Pass::kBackward, true, G, K, true,
-                  reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K, true>));
-      }
+        emit_step(Pass::kForward, true, G, K, reinterpret_cast<const void*>(&block_step_fwd_kernel<double, G, K>));
+      if constexpr (step_tile_fits(Pass::kBackward, false, G, K))
+        emit_step(Pass::kBackward, false, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<float, G, K>));
+      if constexpr (step_tile_fits(Pass::kBackward, true, G, K))
+        emit_step(Pass::kBackward, true, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K>));
     });
   });
   std::printf("column_sum_kernel<float>\t0\n");
