@@ -72,7 +72,7 @@ cmake: $(VENV)/.runtime
 # A separate venv with the CUDA build of torch: builds the package with its CUDA
 # sources (nvcc, sm_80 + sm_90) from a copy of the sources (its own build/ dir,
 # no objects shared with the CPU build), imports it without a GPU and checks that
-# the attnres:: depth-read and attention ops have CUDA kernels registered.
+# the attnres:: depth-read, attention and Block-step ops have CUDA kernels registered.
 CUDA_SRC := build/cuda-src
 cuda-build:
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
@@ -84,11 +84,12 @@ cuda-build:
 	cd $(CUDA_VENV) && bin/python -c "import torch, attnres_kernels.ops._native as n; \
 	  assert torch.version.cuda, 'torch in $(CUDA_VENV) is not a CUDA build'; \
 	  assert n.available(), n.LOAD_ERROR; \
-	  missing = [op for op in ('depth_attn_fwd', 'depth_attn_bwd', 'attn_fwd', 'attn_bwd') \
-	             if not n.has_kernel(op, 'cuda')]; \
+	  missing = [op for op in ('depth_attn_fwd', 'depth_attn_bwd', 'attn_fwd', 'attn_bwd', 'block_step_fwd', \
+	                           'block_step_bwd') if not n.has_kernel(op, 'cuda')]; \
 	  assert not missing, f'no CUDA kernel registered for {missing}'; \
 	  print('cuda-build OK: torch', torch.__version__, '(CUDA', torch.version.cuda + '):', \
-	        'attnres::depth_attn_fwd/bwd and attn_fwd/bwd have CUDA kernels;', torch.ops.attnres.build_info())"
+	        'attnres::depth_attn_fwd/bwd, attn_fwd/bwd and block_step_fwd/bwd have CUDA kernels;', \
+	        torch.ops.attnres.build_info())"
 
 clean:
 	rm -rf build $(VENV) $(CUDA_VENV) attnres_kernels/_C*.so *.egg-info

@@ -70,6 +70,8 @@ def _cuda_label(demangled: str) -> tuple:
         return name, dtype, "wmma" if dtype in ("fp16", "bf16") and name != "attn_bwd_rows" else "simt"
     acc = "acc=fp64" if args[0] == "double" else "acc=fp32"
     config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
+    if len(args) == 3:  # the Block step: one site, no QT
+        config = f"G={args[1]} K={args[2]}"
     if len(args) == 5:  # the backward, without and with the fused output norm
         config += f" norm={int(args[4] == 'true')}"
     return name, acc, config

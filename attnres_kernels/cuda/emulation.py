@@ -28,7 +28,7 @@ ENV = "ATTNRES_CUDA_EMULATE"
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
 SOURCES = [CSRC / "simt" / "simt.cpp", CSRC / "simt" / "emulated_ops.cpp"]
-OPS = frozenset({"depth_attn_fwd", "depth_attn_bwd", "attn_fwd", "attn_bwd"})
+OPS = frozenset({"depth_attn_fwd", "depth_attn_bwd", "attn_fwd", "attn_bwd", "block_step_fwd", "block_step_bwd"})
 
 _lock = threading.Lock()
 _state: dict = {"loaded": False, "error": None}
@@ -40,12 +40,15 @@ def requested() -> bool:
 
 
 def _register() -> None:
-    from ..ops._registration import register_attention_ops, register_depth_attn_ops
+    from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
 
     register_depth_attn_ops(
         "attnres_emu::depth_attn_fwd", "attnres_emu::depth_attn_bwd", torch.ops.attnres_emu.depth_attn_bwd.default
     )
     register_attention_ops("attnres_emu::attn_fwd", "attnres_emu::attn_bwd", torch.ops.attnres_emu.attn_bwd.default)
+    register_block_step_ops(
+        "attnres_emu::block_step_fwd", "attnres_emu::block_step_bwd", torch.ops.attnres_emu.block_step_bwd.default
+    )
 
 
 def load() -> str | None:

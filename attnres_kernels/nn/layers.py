@@ -77,6 +77,10 @@ def fused_step_backend(depth: str) -> str | None:
     if depth not in _FUSED_STEP:
         if depth in ("cpu", "cuda"):
             defined = _native.has_kernel("block_step_fwd", depth)
+            if depth == "cuda" and not defined:  # CPU tensors under the SIMT harness (ATTNRES_CUDA_EMULATE=1)
+                from ..cuda import emulation
+
+                defined = emulation.unavailable_reason("block_step_fwd") is None
         elif depth == "triton":
             from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)
 

@@ -29,6 +29,11 @@ def _limit(dim: int, acc: torch.dtype):
                 return (
                     f"the Triton Block step supports D <= {triton_backend.max_dim(acc)} for {acc} math, got D = {dim}"
                 )
+        if backend == "cuda":
+            from .. import cuda as cuda_backend
+
+            if dim > cuda_backend.max_dim(acc):
+                return f"the CUDA Block step supports D <= {cuda_backend.max_dim(acc)}, got D = {dim}"
         return None
 
     return limit

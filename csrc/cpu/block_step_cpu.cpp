@@ -41,6 +41,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../block_step.h"
 #include "../depth_attention.h"
 #include "row_math.h"
 
@@ -323,74 +324,6 @@ void sum_chunks(const double* parts, int64_t num_chunks, int64_t D, A* out) {
 
 // ---------------------------------------------------------------- argument handling
 
-// `t` as [M, D] rows with unit column stride (a view when the layout allows).
-at::Tensor as_rows(const at::Tensor& t, int64_t m, int64_t d) {
-  at::Tensor r = t.reshape({m, d});
-  return r.stride(1) == 1 ? r : r.contiguous();
-}
-
-void check_row_tensor(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(is_supported_dtype(t.scalar_type()), "block step: `", name, "` has unsupported dtype ", t.scalar_type());
-  TORCH_CHECK(t.sizes() == like.sizes(), "block step: `", name, "` must have the shape of `update` ", like.sizes(),
-              ", got ", t.sizes());
-  TORCH_CHECK(t.device() == like.device(), "block step: `", name, "` is on ", t.device(), ", `update` on ",
-              like.device());
-}
-
-void check_site_vector(const at::Tensor& t, const char* name, const at::Tensor& like) {
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "block step: `", name, "` must be floating point, got ",
-              t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == like.size(-1), "block step: `", name,
-              "` must be one site's [D] with D = ", like.size(-1), ", got ", t.sizes());
-  TORCH_CHECK(t.device() == like.device(), "block step: `", name, "` is on ", t.device(), ", `update` on ",
-              like.device());
-}
-
-// The checked arguments of one call: dtypes, row count, u = query ⊙ norm_weight and g as contiguous [D].
-struct StepArgs {
-  int64_t M = 0, D = 0;
-  at::ScalarType new_dtype, out_dtype, acc_dtype;
-  at::Tensor u, g;
-};
-
-StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
-                    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out,
-                    const at::Tensor& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight) {
-  TORCH_CHECK(is_supported_dtype(update.scalar_type()), "block step: `update` has unsupported dtype ",
-              update.scalar_type());
-  TORCH_CHECK(update.dim() >= 1 && update.size(-1) > 0, "block step: `update` must be [..., D] with D > 0, got ",
-              update.sizes());
-  StepArgs a;
-  a.D = update.size(-1);
-  a.M = update.numel() / a.D;
-  a.new_dtype = update.scalar_type();
-  if (partial.has_value()) {
-    check_row_tensor(*partial, "partial", update);
-    a.new_dtype = at::promote_types(a.new_dtype, partial->scalar_type());
-  }
-  check_row_tensor(prefix_out, "prefix_out", update);
-  a.out_dtype = at::promote_types(a.new_dtype, prefix_out.scalar_type());
-  a.acc_dtype = accumulation_type(a.out_dtype);
-  TORCH_CHECK(prefix_lse.sizes() == update.sizes().slice(0, update.dim() - 1),
-              "block step: `prefix_lse` must have the leading shape of `update` ",
-              update.sizes().slice(0, update.dim() - 1), ", got ", prefix_lse.sizes());
-  TORCH_CHECK(prefix_lse.scalar_type() == a.acc_dtype, "block step: `prefix_lse` must be ", a.acc_dtype,
-              " (the accumulation dtype), got ", prefix_lse.scalar_type());
-  TORCH_CHECK(prefix_lse.device() == update.device(), "block step: `prefix_lse` is on another device");
-  check_site_vector(query, "query", update);
-  a.u = query.to(a.acc_dtype);
-  if (norm_weight.has_value()) {
-    check_site_vector(*norm_weight, "norm_weight", update);
-    a.u = a.u * norm_weight->to(a.acc_dtype);
-  }
-  a.u = a.u.contiguous();
-  if (out_norm_weight.has_value()) {
-    check_site_vector(*out_norm_weight, "out_norm_weight", update);
-    a.g = out_norm_weight->to(a.acc_dtype).contiguous();
-  }
-  return a;
-}
-
 bool streams(const StepArgs& a) {
   return a.M * a.D * static_cast<int64_t>(c10::elementSize(a.out_dtype)) >= kStreamBytes;
 }
@@ -409,8 +342,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_ste
   StepRows io;
   io.M = a.M;
   io.D = a.D;
-  const at::Tensor partial_rows = partial.has_value() ? as_rows(*partial, a.M, a.D) : at::Tensor();
-  const at::Tensor update_rows = as_rows(update, a.M, a.D), prefix_rows = as_rows(prefix_out, a.M, a.D);
+  const at::Tensor partial_rows = partial.has_value() ? step_rows(*partial, a.M, a.D) : at::Tensor();
+  const at::Tensor update_rows = step_rows(update, a.M, a.D), prefix_rows = step_rows(prefix_out, a.M, a.D);
   io.partial = row_view(partial_rows);
   io.update = row_view(update_rows);
   io.prefix_out = row_view(prefix_rows);
@@ -433,15 +366,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
   const StepArgs a = check_step(c10::nullopt, new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight);
   const auto lead = new_partial.sizes().slice(0, new_partial.dim() - 1);
-  auto check_scalars = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK(t.sizes() == lead && t.scalar_type() == a.acc_dtype, "block_step_bwd: `", name, "` must be ", lead, " ",
-                a.acc_dtype, ", got ", t.sizes(), " ", t.scalar_type());
-    return t.contiguous();
-  };
-  const at::Tensor logit_c = check_scalars(logit, "logit"), rinv_c = check_scalars(rinv, "rinv");
-  const at::Tensor dlse = grad_lse.has_value() ? check_scalars(*grad_lse, "grad_lse") : at::Tensor();
-  if (grad_new_partial.has_value()) check_row_tensor(*grad_new_partial, "grad_new_partial", new_partial);
-  if (grad_out.has_value()) check_row_tensor(*grad_out, "grad_out", new_partial);
+  const StepSaved saved = check_step_saved(a, new_partial, grad_new_partial, grad_out, grad_lse, logit, rinv);
+  const at::Tensor &logit_c = saved.logit, &rinv_c = saved.rinv, &dlse = saved.dlse;
 
   at::Tensor grad_total = empty_output(new_partial.sizes(), new_partial.options().dtype(a.new_dtype));
   at::Tensor grad_prefix_out = empty_output(prefix_out.sizes(), prefix_out.options());
@@ -452,9 +378,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     StepGradRows io;
     io.M = a.M;
     io.D = a.D;
-    const at::Tensor gn_rows = grad_new_partial.has_value() ? as_rows(*grad_new_partial, a.M, a.D) : at::Tensor();
-    const at::Tensor dy_rows = grad_out.has_value() ? as_rows(*grad_out, a.M, a.D) : at::Tensor();
-    const at::Tensor v_rows = as_rows(new_partial, a.M, a.D), ha_rows = as_rows(prefix_out, a.M, a.D);
+    const at::Tensor gn_rows = grad_new_partial.has_value() ? step_rows(*grad_new_partial, a.M, a.D) : at::Tensor();
+    const at::Tensor dy_rows = grad_out.has_value() ? step_rows(*grad_out, a.M, a.D) : at::Tensor();
+    const at::Tensor v_rows = step_rows(new_partial, a.M, a.D), ha_rows = step_rows(prefix_out, a.M, a.D);
     io.grad_new_partial = row_view(gn_rows);
     io.grad_out = row_view(dy_rows);
     io.new_partial = row_view(v_rows);

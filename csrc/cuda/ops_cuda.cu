@@ -5,6 +5,7 @@
 // torch-free kernels (csrc/cuda/*_kernels.cuh) on the current stream.
 //   depth read: depth_attention_ops.h
 //   fused attention: attention_ops.h
+//   Block step: block_step_ops.h (its autograd is the C++ one on the Autograd key)
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "attention_ops.h"
+#include "block_step_ops.h"
 #include "depth_attention_ops.h"
 
 namespace attnres::cuda {
@@ -83,6 +85,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd_cuda(
   return attn_bwd(rt, grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal, scale);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_fwd_cuda(
+    const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  const c10::cuda::CUDAGuard guard(update.device());
+  CudaRuntime rt;
+  return block_step_fwd(rt, partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_bwd_cuda(
+    const c10::optional<at::Tensor>& grad_new_partial, const c10::optional<at::Tensor>& grad_out,
+    const c10::optional<at::Tensor>& grad_lse, const at::Tensor& new_partial, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
+  const c10::cuda::CUDAGuard guard(new_partial.device());
+  CudaRuntime rt;
+  return block_step_bwd(rt, grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out,
+                        prefix_lse, out_norm_weight, logit, rinv, eps);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
@@ -90,6 +112,8 @@ TORCH_LIBRARY_IMPL(attnres, CUDA, m) {
   m.impl("depth_attn_bwd", &depth_attn_bwd_cuda);
   m.impl("attn_fwd", &attn_fwd_cuda);
   m.impl("attn_bwd", &attn_bwd_cuda);
+  m.impl("block_step_fwd", &block_step_fwd_cuda);
+  m.impl("block_step_bwd", &block_step_bwd_cuda);
 }
 
 }  // namespace attnres::cuda

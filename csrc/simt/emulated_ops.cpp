@@ -19,12 +19,13 @@
 #include <vector>
 
 #include "../cuda/attention_ops.h"
+#include "../cuda/block_step_ops.h"
 #include "../cuda/depth_attention_ops.h"
 #include "simt.h"
 
 namespace attnres::emulated {
 
-// The Runtime of csrc/cuda/depth_attention_ops.h for the harness: tables in host
+// The Runtime of csrc/cuda/depth_attention_ops.h (and block_step_ops.h) for the harness: tables in host
 // memory, a one-SM "GPU" (forward grids stay small, so the grid-stride loops run),
 // every tensor a kernel touches named for the traffic count.
 struct Runtime {
@@ -150,6 +151,24 @@ at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tenso
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_fwd(
+    const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+  Runtime rt;
+  return cuda::block_step_fwd(rt, partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_bwd(
+    const c10::optional<at::Tensor>& grad_new_partial, const c10::optional<at::Tensor>& grad_out,
+    const c10::optional<at::Tensor>& grad_lse, const at::Tensor& new_partial, const at::Tensor& query,
+    const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
+  Runtime rt;
+  return cuda::block_step_bwd(rt, grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out,
+                              prefix_lse, out_norm_weight, logit, rinv, eps);
+}
+
 // x (fp32 or fp64) rounded to fp16 / bf16 by the device conversion (from_acc) in a
 // harness launch: checks the harness's conversions against PyTorch's.
 template <typename acc_t>
@@ -212,6 +231,14 @@ TORCH_LIBRARY(attnres_emu, m) {
       "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
       "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   m.def("wmma_matmul(Tensor a, Tensor b, Tensor c, bool b_transposed, int misuse) -> Tensor");
+  // The schemas of attnres::block_step_fwd / _bwd.
+  m.def(
+      "block_step_fwd(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, "
+      "Tensor prefix_lse, Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
+      "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
+      "Tensor logit, Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("launch_log() -> str", &launch_log);
   m.def("round_to(Tensor x, ScalarType dtype) -> Tensor");
 }
@@ -219,6 +246,8 @@ TORCH_LIBRARY(attnres_emu, m) {
 TORCH_LIBRARY_IMPL(attnres_emu, CPU, m) {
   m.impl("depth_attn_fwd", &depth_attn_fwd);
   m.impl("depth_attn_bwd", &depth_attn_bwd);
+  m.impl("block_step_fwd", &block_step_fwd);
+  m.impl("block_step_bwd", &block_step_bwd);
   m.impl("round_to", &round_to);
   m.impl("attn_fwd", &attn_fwd);
   m.impl("attn_bwd", &attn_bwd);

@@ -3,9 +3,10 @@
 // kernel the launchers can choose, and run on the host (no GPU needed) to print
 // one line per kernel: its name as ptxas reports it (demangled) and the largest
 // dynamic shared memory any launch plan gives it. It also checks that every plan
-// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel,
-// and that every attention plan (dtype x Dh x sequence lengths) fits the shared
-// memory of every sm_80+ GPU (the attention kernels: one per dtype, all listed).
+// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel
+// (for the depth read and the Block step), and that every attention plan (dtype x
+// Dh x sequence lengths) fits the shared memory of every sm_80+ GPU (the attention
+// kernels: one per dtype, all listed).
 #include <cstdio>
 #include <exception>
 #include <map>
@@ -13,6 +14,7 @@
 #include <tuple>
 
 #include "../attention_kernels.cuh"
+#include "../block_step_kernels.cuh"
 #include "../depth_attention_kernels.cuh"
 
 using namespace attnres::cuda;
@@ -51,6 +53,27 @@ std::string attention_kernel_name(const char* kernel, int32_t dtype) {
   return std::string(kernel) + "<" + type + ">";
 }
 
+using StepKey = std::tuple<int, bool, int, int>;  // pass, acc_double, G, K
+
+std::map<StepKey, size_t> largest_step_shared_bytes() {
+  std::map<StepKey, size_t> shared;
+  for (int pass = 0; pass < 2; ++pass) {
+    for (bool acc_double : {false, true}) {
+      for (int itemsize : {2, 4, 8}) {
+        if (itemsize == 8 && !acc_double) continue;
+        for (bool norm : {false, true}) {
+          for (int64_t d = 1; d <= kMaxDim; ++d) {
+            const DepthPlan p = plan_block_step(static_cast<Pass>(pass), 1024, d, itemsize, acc_double, norm, 132);
+            auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread}];
+            s = std::max(s, p.shared_bytes);
+          }
+        }
+      }
+    }
+  }
+  return shared;
+}
+
 std::string kernel_name(const char* kernel, bool acc_double, int G, int K, int QT) {
   return std::string(kernel) + "<" + (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " +
          std::to_string(K) + ", " + std::to_string(QT) + ">";
@@ -81,8 +104,10 @@ std::map<std::string, size_t> attention_shared_bytes() {
 
 int main() {
   std::map<TileKey, size_t> shared;
+  std::map<StepKey, size_t> step_shared;
   try {
     shared = largest_shared_bytes();
+    step_shared = largest_step_shared_bytes();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "a launch plan failed: %s\n", e.what());
     return 1;
@@ -146,9 +171,36 @@ int main() {
   emit_attention(BFloat16{}, kBFloat16);
   emit_attention(float{}, kFloat32);
   emit_attention(double{}, kFloat64);
+  // The Block step (block_step_kernels.cuh): one kernel per pass, accumulation type and tile.
+  size_t step_kernels = 0;
+  auto emit_step = [&](Pass pass, bool acc_double, int G, int K, const void* /*kernel*/) {
+    const std::string name = std::string(pass == Pass::kForward ? "block_step_fwd_kernel" : "block_step_bwd_kernel") +
+                             "<" + (acc_double ? "double" : "float") + ", " + std::to_string(G) + ", " +
+                             std::to_string(K) + ">";
+    const auto it = step_shared.find({static_cast<int>(pass), acc_double, G, K});
+    if (it == step_shared.end()) {
+      std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
+      ++unreachable;
+      return;
+    }
+    std::printf("%s\t%zu\n", name.c_str(), it->second);
+    ++step_kernels;
+  };
+  for_each_value<4, 8>([&](auto G) {
+    for_each_value<1, 2>([&](auto K) {
+      if constexpr (step_tile_fits(Pass::kForward, false, G, K))
+        emit_step(Pass::kForward, false, G, K, reinterpret_cast<const void*>(&block_step_fwd_kernel<float, G, K>));
+      if constexpr (step_tile_fits(Pass::kForward, true, G, K))
+        emit_step(Pass::kForward, true, G, K, reinterpret_cast<const void*>(&block_step_fwd_kernel<double, G, K>));
+      if constexpr (step_tile_fits(Pass::kBackward, false, G, K))
+        emit_step(Pass::kBackward, false, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<float, G, K>));
+      if constexpr (step_tile_fits(Pass::kBackward, true, G, K))
+        emit_step(Pass::kBackward, true, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K>));
+    });
+  });
   std::printf("column_sum_kernel<float>\t0\n");
   std::printf("column_sum_kernel<double>\t0\n");
   (void)&column_sum_kernel<float>;
   (void)&column_sum_kernel<double>;
-  return unreachable == 0 && kernels == shared.size() ? 0 : 1;
+  return unreachable == 0 && kernels == shared.size() && step_kernels == step_shared.size() ? 0 : 1;
 }

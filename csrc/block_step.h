@@ -1,0 +1,109 @@
+// Shared argument handling of the Block step ops (block_step_fwd / _bwd,
+// DESIGN.md §2.3) for every native backend: the checks, the dtypes of the
+// outputs and of the arithmetic, and the [M, D] row views. The math lives in
+// the backend files (csrc/cpu/block_step_cpu.cpp, csrc/cuda/block_step_ops.h).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include "depth_attention.h"
+
+namespace attnres {
+
+// `t` as [M, D] rows with unit column stride (a view when the layout allows).
+inline at::Tensor step_rows(const at::Tensor& t, int64_t m, int64_t d) {
+  at::Tensor r = t.reshape({m, d});
+  return r.stride(1) == 1 ? r : r.contiguous();
+}
+
+inline void check_step_rows(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), "block step: `", name, "` has unsupported dtype ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == like.sizes(), "block step: `", name, "` must have the shape of `update` ", like.sizes(),
+              ", got ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), "block step: `", name, "` is on ", t.device(), ", `update` on ",
+              like.device());
+}
+
+inline void check_step_site_vector(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  TORCH_CHECK(at::isFloatingType(t.scalar_type()), "block step: `", name, "` must be floating point, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == like.size(-1), "block step: `", name,
+              "` must be one site's [D] with D = ", like.size(-1), ", got ", t.sizes());
+  TORCH_CHECK(t.device() == like.device(), "block step: `", name, "` is on ", t.device(), ", `update` on ",
+              like.device());
+}
+
+// The checked arguments of one call: dtypes, row count, u = query ⊙ norm_weight and g as contiguous [D].
+struct StepArgs {
+  int64_t M = 0, D = 0;
+  at::ScalarType new_dtype, out_dtype, acc_dtype;
+  at::Tensor u, g;
+};
+
+inline StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
+                           const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out,
+                           const at::Tensor& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight) {
+  TORCH_CHECK(is_supported_dtype(update.scalar_type()), "block step: `update` has unsupported dtype ",
+              update.scalar_type());
+  TORCH_CHECK(update.dim() >= 1 && update.size(-1) > 0, "block step: `update` must be [..., D] with D > 0, got ",
+              update.sizes());
+  StepArgs a;
+  a.D = update.size(-1);
+  a.M = update.numel() / a.D;
+  a.new_dtype = update.scalar_type();
+  if (partial.has_value()) {
+    check_step_rows(*partial, "partial", update);
+    a.new_dtype = at::promote_types(a.new_dtype, partial->scalar_type());
+  }
+  check_step_rows(prefix_out, "prefix_out", update);
+  a.out_dtype = at::promote_types(a.new_dtype, prefix_out.scalar_type());
+  a.acc_dtype = accumulation_type(a.out_dtype);
+  TORCH_CHECK(prefix_lse.sizes() == update.sizes().slice(0, update.dim() - 1),
+              "block step: `prefix_lse` must have the leading shape of `update` ",
+              update.sizes().slice(0, update.dim() - 1), ", got ", prefix_lse.sizes());
+  TORCH_CHECK(prefix_lse.scalar_type() == a.acc_dtype, "block step: `prefix_lse` must be ", a.acc_dtype,
+              " (the accumulation dtype), got ", prefix_lse.scalar_type());
+  TORCH_CHECK(prefix_lse.device() == update.device(), "block step: `prefix_lse` is on another device");
+  check_step_site_vector(query, "query", update);
+  a.u = query.to(a.acc_dtype);
+  if (norm_weight.has_value()) {
+    check_step_site_vector(*norm_weight, "norm_weight", update);
+    a.u = a.u * norm_weight->to(a.acc_dtype);
+  }
+  a.u = a.u.contiguous();
+  if (out_norm_weight.has_value()) {
+    check_step_site_vector(*out_norm_weight, "out_norm_weight", update);
+    a.g = out_norm_weight->to(a.acc_dtype).contiguous();
+  }
+  return a;
+}
+
+// The backward's per-row inputs besides the rows, checked and contiguous:
+// the saved logit and rinv, and grad_lse (undefined when absent); the row
+// gradients grad_new_partial / grad_out are checked like the addends.
+struct StepSaved {
+  at::Tensor logit, rinv, dlse;
+};
+
+inline StepSaved check_step_saved(const StepArgs& a, const at::Tensor& new_partial,
+                                  const c10::optional<at::Tensor>& grad_new_partial,
+                                  const c10::optional<at::Tensor>& grad_out, const c10::optional<at::Tensor>& grad_lse,
+                                  const at::Tensor& logit, const at::Tensor& rinv) {
+  const auto lead = new_partial.sizes().slice(0, new_partial.dim() - 1);
+  auto check_scalars = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.sizes() == lead && t.scalar_type() == a.acc_dtype, "block_step_bwd: `", name, "` must be ", lead, " ",
+                a.acc_dtype, ", got ", t.sizes(), " ", t.scalar_type());
+    TORCH_CHECK(t.device() == new_partial.device(), "block_step_bwd: `", name, "` is on another device");
+    return t.contiguous();
+  };
+  StepSaved s;
+  s.logit = check_scalars(logit, "logit");
+  s.rinv = check_scalars(rinv, "rinv");
+  if (grad_lse.has_value()) s.dlse = check_scalars(*grad_lse, "grad_lse");
+  if (grad_new_partial.has_value()) check_step_rows(*grad_new_partial, "grad_new_partial", new_partial);
+  if (grad_out.has_value()) check_step_rows(*grad_out, "grad_out", new_partial);
+  return s;
+}
+
+}  // namespace attnres
