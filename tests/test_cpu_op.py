@@ -6,7 +6,7 @@ import torch
 import attnres_kernels as ak
 from attnres_kernels import reference
 
-from support import make_sources, site_params
+from support import assert_close_to_oracle, make_sources, read_with_grads, site_params
 
 pytestmark = pytest.mark.skipif("cpu" not in ak.available_backends("cpu"), reason=ak.build_info())
 
@@ -91,3 +91,47 @@ def test_build_info_names_the_vector_isa():
     info = ak.build_info()
     assert "CPU vector ISA" in info
     assert torch.ops.attnres.build_info() == info
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "mixed"])
+@pytest.mark.parametrize("d", [1000, 64])
+@pytest.mark.parametrize("q,out_norm,merge", [(None, False, False), (3, True, False), (2, False, True)])
+def test_tiled_forward_over_many_rows_matches_reference(dtype, d, q, out_norm, merge):
+    # 437 rows: several blocks of several row tiles (pass B of each tile
+    # prefetches the next), the last tile and the last block partial.
+    from test_fused_reads import compare_read
+
+    dtypes = MIXED[:4] + MIXED[:4] + [torch.float32] if dtype == "mixed" else [dtype] * 9
+    sources = [s.to(dt) for s, dt in zip(make_sources(9, (19, 23), d, torch.float64), dtypes)]
+    compare_read("cpu", sources, q=q, out_norm=out_norm, prefix_split=2 if merge else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharp_softmax_weights_below_the_normal_range(dtype):
+    # Logits ~100 apart: many softmax weights fall below the smallest normal
+    # float (the kernel, accumulating in fp32, flushes those to 0: see its
+    # flush_subnormal) or underflow to 0.
+    sources = make_sources(9, (300,), 256, dtype)
+    w = (8.0 * torch.randn(256)).to(dtype)
+    g = torch.ones(256, dtype=dtype)
+    out_weights = [torch.randn(300, 256, dtype=torch.float64), torch.randn(300, dtype=torch.float64)]
+
+    def run(backend):
+        def fn(srcs, w, g):
+            return ak.depth_attention(w, srcs, g, return_lse=True, backend=backend)
+
+        return fn
+
+    fused = read_with_grads(run("cpu"), sources, [w, g], out_weights)
+    same = read_with_grads(run("reference"), sources, [w, g], out_weights)
+    oracle = read_with_grads(run("reference"), [s.double() for s in sources], [w.double(), g.double()], out_weights)
+    weights = reference.depth_attention(w.double(), [s.double() for s in sources], g.double(), return_weights=True)[1]
+    assert ((weights > 0) & (weights < torch.finfo(torch.float32).tiny)).sum() > 100
+    for name, a, b, c in zip(["out", "lse"], fused[0], same[0], oracle[0]):
+        assert_close_to_oracle(name, a, b, c)
+
+    def grouped(grads):  # the 9 source gradients judged as one tensor
+        return [torch.cat([x.flatten() for x in grads[:9]]), *grads[9:]]
+
+    for name, a, b, c in zip(["d_sources", "d_query", "d_norm"], *(grouped(r[1]) for r in (fused, same, oracle))):
+        assert_close_to_oracle(name, a, b, c)
