@@ -268,6 +268,60 @@ inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t
   return ss;
 }
 
+// bf16 to float without shuffles. Each 32-bit word of a bf16 row holds two
+// values, x[2j] in its low half and x[2j+1] in its high half, so the 2W values
+// at x, read as W words, are the even-indexed values (word << 16) and the
+// odd-indexed ones (word & 0xffff0000) as floats: two single-cycle integer ops
+// where convert_to_float spends two lane-crossing shuffles (on the port the
+// FMAs also use). Sums over a row do not care about the order; products with a
+// float vector use it split the same way (split_even_odd).
+inline std::pair<Vectorized<float>, Vectorized<float>> bf16_even_odd(const at::BFloat16* x) {
+  using iVec = Vectorized<int32_t>;
+  const iVec words = iVec::loadu(x);
+  return {at::vec::cast<float>(words << iVec(16)),
+          at::vec::cast<float>(words & iVec(static_cast<int32_t>(0xffff0000u)))};
+}
+
+// u with each run of 2W values reordered as its even-indexed values, then its
+// odd-indexed ones (the tail past the last full run as is).
+inline void split_even_odd(const float* u, int64_t n, float* out) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    auto [even, odd] = at::vec::deinterleave2(fVec::loadu(u + d), fVec::loadu(u + d + W));
+    even.store(out + d);
+    odd.store(out + d + W);
+  }
+  std::copy(u + d, u + n, out + d);
+}
+
+// sum(x^2) and <u, x> of one bf16 row, through bf16_even_odd (u_split: u split
+// by split_even_odd).
+inline float sumsq_and_dot_bf16(const at::BFloat16* x, const float* u_split, int64_t n, float* dot_out) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  fVec ss0(0.f), ss1(0.f), dt0(0.f), dt1(0.f);
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    auto [even, odd] = bf16_even_odd(x + d);
+    ss0 = at::vec::fmadd(even, even, ss0);
+    ss1 = at::vec::fmadd(odd, odd, ss1);
+    dt0 = at::vec::fmadd(even, fVec::loadu(u_split + d), dt0);
+    dt1 = at::vec::fmadd(odd, fVec::loadu(u_split + d + W), dt1);
+  }
+  auto add = [](fVec& a, fVec& b) { return a + b; };
+  float ss = at::vec::vec_reduce_all<float>(add, ss0 + ss1);
+  float dt = at::vec::vec_reduce_all<float>(add, dt0 + dt1);
+  for (; d < n; ++d) {
+    const float xd = static_cast<float>(x[d]);
+    ss += xd * xd;
+    dt += xd * u_split[d];
+  }
+  *dot_out = dt;
+  return ss;
+}
+
 template <typename T>
 inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots, T* /*buf*/) {
   return sumsq_and_dots(x, u, q_count, n, dots);
@@ -390,7 +444,9 @@ inline void weighted_sum(const T* const* x, const T* a, int64_t n, const T* y, T
 }
 
 // weighted_sum over bf16/fp16 rows, converted to float in registers (2 x 32
-// elements per pass over the row pointers).
+// elements per pass over the row pointers; bf16 through bf16_even_odd, the
+// sums then interleaved back once per output vector: the same products and
+// sums, in the same order, as the plain conversion).
 template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
 inline void weighted_sum(const T* const* x, const float* a, int64_t n, const float* y, float b, int64_t dim, float* h,
                          LinePrefetcher* prefetch = nullptr) {
@@ -407,16 +463,30 @@ inline void weighted_sum(const T* const* x, const float* a, int64_t n, const flo
       h2 = fVec::loadu(y + d + 2 * W) * vb;
       h3 = fVec::loadu(y + d + 3 * W) * vb;
     }
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::tie(h0, h1) = at::vec::deinterleave2(h0, h1);  // even, odd of the first 2W
+      std::tie(h2, h3) = at::vec::deinterleave2(h2, h3);
+    }
     for (int64_t i = 0; i < n; ++i) {
       if (prefetch != nullptr) prefetch->step();
       const T* xi = x[i] + d;
       const fVec ai(a[i]);
-      auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(xi));
-      auto [x2, x3] = at::vec::convert_to_float<T>(bVec::loadu(xi + B));
+      fVec x0, x1, x2, x3;
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        std::tie(x0, x1) = bf16_even_odd(xi);
+        std::tie(x2, x3) = bf16_even_odd(xi + B);
+      } else {
+        std::tie(x0, x1) = at::vec::convert_to_float<T>(bVec::loadu(xi));
+        std::tie(x2, x3) = at::vec::convert_to_float<T>(bVec::loadu(xi + B));
+      }
       h0 = at::vec::fmadd(ai, x0, h0);
       h1 = at::vec::fmadd(ai, x1, h1);
       h2 = at::vec::fmadd(ai, x2, h2);
       h3 = at::vec::fmadd(ai, x3, h3);
+    }
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::tie(h0, h1) = at::vec::interleave2(h0, h1);
+      std::tie(h2, h3) = at::vec::interleave2(h2, h3);
     }
     h0.store(h + d);
     h1.store(h + d + W);
@@ -547,6 +617,12 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
+  // One bf16 site: u split for sumsq_and_dot_bf16.
+  constexpr bool bf16_rows = std::is_same_v<src_t, at::BFloat16>;
+  std::vector<float> u_split(bf16_rows && Q == 1 ? D : 0);
+  if constexpr (bf16_rows) {
+    if (Q == 1) split_even_odd(u, D, u_split.data());
+  }
   int64_t row_set_bytes = 0;  // one row of every source
   for (const auto& s : rows.src) row_set_bytes += D * static_cast<int64_t>(c10::elementSize(s.dtype));
   const int64_t tile = std::clamp<int64_t>(kTileBytes / row_set_bytes, 1, kMaxTileRows);
@@ -574,7 +650,13 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
             } else {
               vi = reinterpret_cast<const src_t*>(rows.src[i].data + p * rows.src[i].row_bytes);
             }
-            const acc_t ss = sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
+            acc_t ss;
+            if constexpr (bf16_rows) {
+              ss = Q == 1 ? sumsq_and_dot_bf16(vi, u_split.data(), D, dots.data())
+                          : sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
+            } else {
+              ss = sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
+            }
             const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
             rinv[i * M + p] = r;
             for (int64_t q = 0; q < Q; ++q) s[(k * Q + q) * N + i] = logits[(q * N + i) * M + p] = r * dots[q];
