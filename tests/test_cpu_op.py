@@ -135,3 +135,33 @@ def test_sharp_softmax_weights_below_the_normal_range(dtype):
 
     for name, a, b, c in zip(["d_sources", "d_query", "d_norm"], *(grouped(r[1]) for r in (fused, same, oracle))):
         assert_close_to_oracle(name, a, b, c)
+
+
+@pytest.mark.parametrize(
+    "dtype,d,merge",
+    [
+        (torch.float32, 1008, False),
+        (torch.float32, 1008, True),
+        (torch.bfloat16, 1024, False),
+        (torch.float16, 1024, True),
+    ],
+)
+def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, merge):
+    # Outputs of 8 MiB and more without an output norm, rows aligned to the
+    # vector size, are written by the weighted sum itself with non-temporal
+    # stores (fp32 D=1008: 15 four-vector steps, then single vectors; bf16 and
+    # fp16 need D a multiple of 64); other outputs go through a row buffer.
+    rows = (8 << 20) // (d * dtype.itemsize) + 37
+    sources = make_sources(3, (rows,), d, dtype)
+    w, g, _ = site_params(None, d)
+    if merge:
+        h_a, lse_a = reference.depth_attention(w, make_sources(2, (rows,), d, dtype), g, return_lse=True)
+        run = lambda impl, srcs, w, g, **k: impl.depth_attention_merge(w, h_a, lse_a, srcs, g, return_lse=True, **k)
+    else:
+        run = lambda impl, srcs, w, g, **k: impl.depth_attention(w, srcs, g, return_lse=True, **k)
+    fused = run(ak, sources, w, g, backend="cpu")
+    same = run(reference, sources, w, g)
+    oracle = run(reference, [s.double() for s in sources], w.double(), g.double())
+    for name, a, b, c in zip(["out", "lse"], fused, same, oracle):
+        assert a.dtype == b.dtype
+        assert_close_to_oracle(name, a, b, c)
