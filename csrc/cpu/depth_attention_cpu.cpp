@@ -322,6 +322,71 @@ inline float sumsq_and_dot_bf16(const at::BFloat16* x, const float* u_split, int
   return ss;
 }
 
+// The 2W values at x as two acc_t vectors for sums over a row: bf16 through
+// bf16_even_odd (even-indexed values, then odd: a product with u pairs them
+// with u split the same way), other dtypes in order.
+template <typename src_t, typename acc_t>
+inline std::pair<Vectorized<acc_t>, Vectorized<acc_t>> vectors_for_sums(const src_t* x) {
+  using Vec = Vectorized<acc_t>;
+  if constexpr (std::is_same_v<src_t, at::BFloat16>) {
+    return bf16_even_odd(x);
+  } else if constexpr (std::is_same_v<src_t, acc_t>) {
+    return {Vec::loadu(x), Vec::loadu(x + Vec::size())};
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<src_t>(Vectorized<src_t>::loadu(x));
+    return {lo, hi};
+  }
+}
+
+// sum(x_j^2) and <u, x_j> for three rows x_0..x_2 at once, for one site: three
+// streams of loads in flight, from three sources' pages, where one row at a
+// time leaves the core waiting on one (pass A of the forward is bound by how
+// many lines one core has in flight). u_dot is u in the order of
+// vectors_for_sums (split_even_odd for bf16).
+template <typename src_t, typename acc_t>
+inline void sumsq_and_dot_3rows(const src_t* x0, const src_t* x1, const src_t* x2, const acc_t* u_dot, int64_t n,
+                                acc_t* ss, acc_t* dt) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  Vec s0a(acc_t(0)), s0b(acc_t(0)), d0a(acc_t(0)), d0b(acc_t(0));
+  Vec s1a(acc_t(0)), s1b(acc_t(0)), d1a(acc_t(0)), d1b(acc_t(0));
+  Vec s2a(acc_t(0)), s2b(acc_t(0)), d2a(acc_t(0)), d2b(acc_t(0));
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const Vec ua = Vec::loadu(u_dot + d), ub = Vec::loadu(u_dot + d + W);
+    const auto [a0, b0] = vectors_for_sums<src_t, acc_t>(x0 + d);
+    const auto [a1, b1] = vectors_for_sums<src_t, acc_t>(x1 + d);
+    const auto [a2, b2] = vectors_for_sums<src_t, acc_t>(x2 + d);
+    s0a = at::vec::fmadd(a0, a0, s0a);
+    s0b = at::vec::fmadd(b0, b0, s0b);
+    d0a = at::vec::fmadd(a0, ua, d0a);
+    d0b = at::vec::fmadd(b0, ub, d0b);
+    s1a = at::vec::fmadd(a1, a1, s1a);
+    s1b = at::vec::fmadd(b1, b1, s1b);
+    d1a = at::vec::fmadd(a1, ua, d1a);
+    d1b = at::vec::fmadd(b1, ub, d1b);
+    s2a = at::vec::fmadd(a2, a2, s2a);
+    s2b = at::vec::fmadd(b2, b2, s2b);
+    d2a = at::vec::fmadd(a2, ua, d2a);
+    d2b = at::vec::fmadd(b2, ub, d2b);
+  }
+  auto add = [](Vec& p, Vec& q) { return p + q; };
+  ss[0] = at::vec::vec_reduce_all<acc_t>(add, s0a + s0b);
+  ss[1] = at::vec::vec_reduce_all<acc_t>(add, s1a + s1b);
+  ss[2] = at::vec::vec_reduce_all<acc_t>(add, s2a + s2b);
+  dt[0] = at::vec::vec_reduce_all<acc_t>(add, d0a + d0b);
+  dt[1] = at::vec::vec_reduce_all<acc_t>(add, d1a + d1b);
+  dt[2] = at::vec::vec_reduce_all<acc_t>(add, d2a + d2b);
+  const src_t* x[3] = {x0, x1, x2};
+  for (int j = 0; j < 3; ++j) {
+    for (int64_t e = d; e < n; ++e) {
+      const acc_t v = static_cast<acc_t>(x[j][e]);
+      ss[j] += v * v;
+      dt[j] += v * u_dot[e];
+    }
+  }
+}
+
 template <typename T>
 inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots, T* /*buf*/) {
   return sumsq_and_dots(x, u, q_count, n, dots);
@@ -651,11 +716,15 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  // One bf16 site: u split for sumsq_and_dot_bf16.
+  // One bf16 site: u split for bf16_even_odd (sumsq_and_dot_bf16, sumsq_and_dot_3rows).
   constexpr bool bf16_rows = std::is_same_v<src_t, at::BFloat16>;
   std::vector<float> u_split(bf16_rows && Q == 1 ? D : 0);
+  const acc_t* u_dot = u;  // u in the order of vectors_for_sums
   if constexpr (bf16_rows) {
-    if (Q == 1) split_even_odd(u, D, u_split.data());
+    if (Q == 1) {
+      split_even_odd(u, D, u_split.data());
+      u_dot = u_split.data();
+    }
   }
   int64_t row_set_bytes = 0;  // one row of every source
   for (const auto& s : rows.src) row_set_bytes += D * static_cast<int64_t>(c10::elementSize(s.dtype));
@@ -682,7 +751,34 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
       const int64_t block_end = std::min(M, (b + 1) * block);
       for (int64_t p0 = b * block; p0 < block_end; p0 += tile) {
         const int64_t rows_in_tile = std::min(tile, block_end - p0);
-        for (int64_t i = 0; i < N; ++i) {
+        // Pass A, source by source over the tile's rows: three sources at a
+        // time when there is one site and every row is read in place.
+        auto keep = [&](int64_t i, int64_t k, acc_t ss) {  // dots[q]: the row's <u_q, v>
+          const int64_t p = p0 + k;
+          const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
+          rinv[i * M + p] = r;
+          for (int64_t q = 0; q < Q; ++q) s[(k * Q + q) * N + i] = logits[(q * N + i) * M + p] = r * dots[q];
+        };
+        auto row_of = [&](int64_t i, int64_t p) {
+          return reinterpret_cast<const src_t*>(rows.src[i].data + p * rows.src[i].row_bytes);
+        };
+        int64_t i = 0;
+        if (Q == 1 && slots.size == 0) {
+          for (; i + 3 <= N; i += 3) {
+            for (int64_t k = 0; k < rows_in_tile; ++k) {
+              const src_t* x0 = v[k * N + i] = row_of(i, p0 + k);
+              const src_t* x1 = v[k * N + i + 1] = row_of(i + 1, p0 + k);
+              const src_t* x2 = v[k * N + i + 2] = row_of(i + 2, p0 + k);
+              acc_t ss[3], dt[3];
+              sumsq_and_dot_3rows(x0, x1, x2, u_dot, D, ss, dt);
+              for (int j = 0; j < 3; ++j) {
+                dots[0] = dt[j];
+                keep(i + j, k, ss[j]);
+              }
+            }
+          }
+        }
+        for (; i < N; ++i) {
           for (int64_t k = 0; k < rows_in_tile; ++k) {
             const int64_t p = p0 + k;
             const src_t*& vi = v[k * N + i];
@@ -690,18 +786,16 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
               acc_t* slot = slots.offset[i] < 0 ? nullptr : rowbuf.data() + k * slots.size + slots.offset[i];
               vi = load_row(rows.src[i], p, slot, D);
             } else {
-              vi = reinterpret_cast<const src_t*>(rows.src[i].data + p * rows.src[i].row_bytes);
+              vi = row_of(i, p);
             }
             acc_t ss;
             if constexpr (bf16_rows) {
-              ss = Q == 1 ? sumsq_and_dot_bf16(vi, u_split.data(), D, dots.data())
+              ss = Q == 1 ? sumsq_and_dot_bf16(vi, u_dot, D, dots.data())
                           : sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
             } else {
               ss = sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
             }
-            const acc_t r = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(D) + eps);
-            rinv[i * M + p] = r;
-            for (int64_t q = 0; q < Q; ++q) s[(k * Q + q) * N + i] = logits[(q * N + i) * M + p] = r * dots[q];
+            keep(i, k, ss);
           }
         }
         LinePrefetcher next_tile(rows.src, p0 + rows_in_tile, std::min(tile, block_end - p0 - rows_in_tile), D);
