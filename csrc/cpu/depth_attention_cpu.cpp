@@ -239,33 +239,11 @@ inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* d
   return dot(x, x, n);
 }
 
-// The same for a bf16/fp16 row, accumulated in float: converted in registers
-// for one site; for several, converted into `buf` (n floats) first.
+// The same for a bf16/fp16 row, accumulated in float: converted into `buf` (n
+// floats) first. (One site reading rows in place takes sumsq_and_dot_row.)
 template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
 inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t n, float* dots, float* buf) {
-  if (q_count != 1) return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
-  using bVec = Vectorized<T>;
-  using fVec = Vectorized<float>;
-  constexpr int64_t B = bVec::size(), W = fVec::size();
-  fVec ss0(0.f), ss1(0.f), dt0(0.f), dt1(0.f);
-  int64_t d = 0;
-  for (; d + B <= n; d += B) {
-    auto [x0, x1] = at::vec::convert_to_float<T>(bVec::loadu(x + d));
-    ss0 = at::vec::fmadd(x0, x0, ss0);
-    ss1 = at::vec::fmadd(x1, x1, ss1);
-    dt0 = at::vec::fmadd(x0, fVec::loadu(u + d), dt0);
-    dt1 = at::vec::fmadd(x1, fVec::loadu(u + d + W), dt1);
-  }
-  auto add = [](fVec& a, fVec& b) { return a + b; };
-  float ss = at::vec::vec_reduce_all<float>(add, ss0 + ss1);
-  float dt = at::vec::vec_reduce_all<float>(add, dt0 + dt1);
-  for (; d < n; ++d) {
-    const float xd = static_cast<float>(x[d]);
-    ss += xd * xd;
-    dt += xd * u[d];
-  }
-  dots[0] = dt;
-  return ss;
+  return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
 }
 
 // bf16 to float without shuffles. Each 32-bit word of a bf16 row holds two
@@ -296,32 +274,6 @@ inline void split_even_odd(const float* u, int64_t n, float* out) {
   std::copy(u + d, u + n, out + d);
 }
 
-// sum(x^2) and <u, x> of one bf16 row, through bf16_even_odd (u_split: u split
-// by split_even_odd).
-inline float sumsq_and_dot_bf16(const at::BFloat16* x, const float* u_split, int64_t n, float* dot_out) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t W = fVec::size();
-  fVec ss0(0.f), ss1(0.f), dt0(0.f), dt1(0.f);
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    auto [even, odd] = bf16_even_odd(x + d);
-    ss0 = at::vec::fmadd(even, even, ss0);
-    ss1 = at::vec::fmadd(odd, odd, ss1);
-    dt0 = at::vec::fmadd(even, fVec::loadu(u_split + d), dt0);
-    dt1 = at::vec::fmadd(odd, fVec::loadu(u_split + d + W), dt1);
-  }
-  auto add = [](fVec& a, fVec& b) { return a + b; };
-  float ss = at::vec::vec_reduce_all<float>(add, ss0 + ss1);
-  float dt = at::vec::vec_reduce_all<float>(add, dt0 + dt1);
-  for (; d < n; ++d) {
-    const float xd = static_cast<float>(x[d]);
-    ss += xd * xd;
-    dt += xd * u_split[d];
-  }
-  *dot_out = dt;
-  return ss;
-}
-
 // The 2W values at x as two acc_t vectors for sums over a row: bf16 through
 // bf16_even_odd (even-indexed values, then odd: a product with u pairs them
 // with u split the same way), other dtypes in order.
@@ -336,6 +288,33 @@ inline std::pair<Vectorized<acc_t>, Vectorized<acc_t>> vectors_for_sums(const sr
     auto [lo, hi] = at::vec::convert_to_float<src_t>(Vectorized<src_t>::loadu(x));
     return {lo, hi};
   }
+}
+
+// sum(x^2) and <u, x> of one row for one site, converted in registers
+// (u_dot: u in the order of vectors_for_sums).
+template <typename src_t, typename acc_t>
+inline acc_t sumsq_and_dot_row(const src_t* x, const acc_t* u_dot, int64_t n, acc_t* dot_out) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  Vec ss0(acc_t(0)), ss1(acc_t(0)), dt0(acc_t(0)), dt1(acc_t(0));
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const auto [a, b] = vectors_for_sums<src_t, acc_t>(x + d);
+    ss0 = at::vec::fmadd(a, a, ss0);
+    ss1 = at::vec::fmadd(b, b, ss1);
+    dt0 = at::vec::fmadd(a, Vec::loadu(u_dot + d), dt0);
+    dt1 = at::vec::fmadd(b, Vec::loadu(u_dot + d + W), dt1);
+  }
+  auto add = [](Vec& p, Vec& q) { return p + q; };
+  acc_t ss = at::vec::vec_reduce_all<acc_t>(add, ss0 + ss1);
+  acc_t dt = at::vec::vec_reduce_all<acc_t>(add, dt0 + dt1);
+  for (; d < n; ++d) {
+    const acc_t xd = static_cast<acc_t>(x[d]);
+    ss += xd * xd;
+    dt += xd * u_dot[d];
+  }
+  *dot_out = dt;
+  return ss;
 }
 
 // sum(x_j^2) and <u, x_j> for three rows x_0..x_2 at once, for one site: three
@@ -718,7 +697,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  // One bf16 site: u split for bf16_even_odd (sumsq_and_dot_bf16, sumsq_and_dot_3rows).
+  // One bf16 site: u split for bf16_even_odd (sumsq_and_dot_row, sumsq_and_dot_3rows).
   constexpr bool bf16_rows = std::is_same_v<src_t, at::BFloat16>;
   std::vector<float> u_split(bf16_rows && Q == 1 ? D : 0);
   const acc_t* u_dot = u;  // u in the order of vectors_for_sums
@@ -790,14 +769,9 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
             } else {
               vi = row_of(i, p);
             }
-            acc_t ss;
-            if constexpr (bf16_rows) {
-              ss = Q == 1 ? sumsq_and_dot_bf16(vi, u_dot, D, dots.data())
-                          : sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
-            } else {
-              ss = sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data());
-            }
-            keep(i, k, ss);
+            keep(i, k,
+                 Q == 1 && slots.size == 0 ? sumsq_and_dot_row(vi, u_dot, D, dots.data())
+                                           : sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data()));
           }
         }
         LinePrefetcher next_tile(rows.src, p0 + rows_in_tile, std::min(tile, block_end - p0 - rows_in_tile), D);
