@@ -210,42 +210,6 @@ inline void axpy(T* y, T b, const T* x, int64_t n) {
   for (; d < n; ++d) y[d] += b * x[d];
 }
 
-// sum(x^2) and <u_q, x> for q < Q in one sweep over x.
-template <typename T>
-inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  if (q_count == 1) {
-    Vec ss0(T(0)), ss1(T(0)), dt0(T(0)), dt1(T(0));
-    int64_t d = 0;
-    for (; d + 2 * W <= n; d += 2 * W) {
-      const Vec x0 = Vec::loadu(x + d), x1 = Vec::loadu(x + d + W);
-      ss0 = at::vec::fmadd(x0, x0, ss0);
-      ss1 = at::vec::fmadd(x1, x1, ss1);
-      dt0 = at::vec::fmadd(x0, Vec::loadu(u + d), dt0);
-      dt1 = at::vec::fmadd(x1, Vec::loadu(u + d + W), dt1);
-    }
-    auto add = [](Vec& a, Vec& b) { return a + b; };
-    T ss = at::vec::vec_reduce_all<T>(add, ss0 + ss1);
-    T dt = at::vec::vec_reduce_all<T>(add, dt0 + dt1);
-    for (; d < n; ++d) {
-      ss += x[d] * x[d];
-      dt += x[d] * u[d];
-    }
-    dots[0] = dt;
-    return ss;
-  }
-  for (int64_t q = 0; q < q_count; ++q) dots[q] = dot(x, u + q * n, n);
-  return dot(x, x, n);
-}
-
-// The same for a bf16/fp16 row, accumulated in float: converted into `buf` (n
-// floats) first. (One site reading rows in place takes sumsq_and_dot_row.)
-template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
-inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t n, float* dots, float* buf) {
-  return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
-}
-
 // bf16 to float without shuffles. Each 32-bit word of a bf16 row holds two
 // values, x[2j] in its low half and x[2j+1] in its high half, so the 2W values
 // at x, read as W words, are the even-indexed values (word << 16) and the
@@ -315,6 +279,21 @@ inline acc_t sumsq_and_dot_row(const src_t* x, const acc_t* u_dot, int64_t n, ac
   }
   *dot_out = dt;
   return ss;
+}
+
+// sum(x^2) and <u_q, x> for q < Q (one site: both in one sweep over x).
+template <typename T>
+inline T sumsq_and_dots(const T* x, const T* u, int64_t q_count, int64_t n, T* dots) {
+  if (q_count == 1) return sumsq_and_dot_row(x, u, n, dots);
+  for (int64_t q = 0; q < q_count; ++q) dots[q] = dot(x, u + q * n, n);
+  return dot(x, x, n);
+}
+
+// The same for a bf16/fp16 row, accumulated in float: converted into `buf` (n
+// floats) first. (One site reading rows in place takes sumsq_and_dot_row.)
+template <typename T, typename = std::enable_if_t<is_reduced_float<T>>>
+inline float sumsq_and_dots(const T* x, const float* u, int64_t q_count, int64_t n, float* dots, float* buf) {
+  return sumsq_and_dots(row_as_acc(x, buf, n), u, q_count, n, dots);
 }
 
 // sum(x_j^2) and <u, x_j> for three rows x_0..x_2 at once, for one site: three
