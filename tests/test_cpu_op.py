@@ -35,11 +35,14 @@ MIXED = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16, torch.flo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "mixed"])
 @pytest.mark.parametrize("merge", [False, True])
-def test_bitwise_deterministic_across_runs_and_thread_counts(dtype, merge):
-    # 1000 rows: many row chunks in the du reduction, uneven across 2 threads.
+@pytest.mark.parametrize("q", [None, 3])
+def test_bitwise_deterministic_across_runs_and_thread_counts(dtype, merge, q):
+    # 1000 rows: many row chunks in the du reduction, uneven across 2 threads;
+    # several blocks of the forward (one site reading rows in place: its row
+    # pipeline; three sites: its tiles).
     dtypes = MIXED if dtype == "mixed" else [dtype] * 5
     sources = [s.to(dt) for s, dt in zip(make_sources(5, (10, 100), 96, torch.float64), dtypes)]
-    w, g, g_out = site_params(3, 96)
+    w, g, g_out = site_params(q, 96)
     prefix = ()
     if merge:
         h_a, lse_a = reference.depth_attention(w, make_sources(2, (10, 100), 96, dtypes[1]), g, return_lse=True)
@@ -93,12 +96,18 @@ def test_build_info_names_the_vector_isa():
     assert torch.ops.attnres.build_info() == info
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "mixed"])
-@pytest.mark.parametrize("d", [1000, 64])
-@pytest.mark.parametrize("q,out_norm,merge", [(None, False, False), (3, True, False), (2, False, True)])
-def test_tiled_forward_over_many_rows_matches_reference(dtype, d, q, out_norm, merge):
-    # 437 rows: several blocks of several row tiles (pass B of each tile
-    # prefetches the next), the last tile and the last block partial.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, "mixed"])
+@pytest.mark.parametrize("d", [1000, 64, 40])
+@pytest.mark.parametrize(
+    "q,out_norm,merge", [(None, False, False), (None, True, True), (3, True, False), (2, False, True)]
+)
+def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm, merge):
+    # 437 rows. One site reading every row in place (q=None, one dtype) takes
+    # the forward's row pipeline: two blocks, the second partial, each with a
+    # first and last half sweep; D=1000 and 40 end in a shorter vector step
+    # and a scalar tail. Several sites or mixed dtypes take the row tiles:
+    # several blocks of several tiles (pass B of each prefetches the next),
+    # the last tile and the last block partial.
     from test_fused_reads import compare_read
 
     dtypes = MIXED[:4] + MIXED[:4] + [torch.float32] if dtype == "mixed" else [dtype] * 9
@@ -138,22 +147,26 @@ def test_sharp_softmax_weights_below_the_normal_range(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype,d,merge",
+    "dtype,d,merge,q",
     [
-        (torch.float32, 1008, False),
-        (torch.float32, 1008, True),
-        (torch.bfloat16, 1024, False),
-        (torch.float16, 1024, True),
+        (torch.float32, 1008, False, None),
+        (torch.float32, 1008, True, None),
+        (torch.bfloat16, 1024, False, None),
+        (torch.float16, 1024, True, None),
+        (torch.float32, 1008, False, 2),
+        (torch.bfloat16, 1024, True, 2),
     ],
 )
-def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, merge):
+def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, merge, q):
     # Outputs of 8 MiB and more without an output norm, rows aligned to the
     # vector size, are written by the weighted sum itself with non-temporal
-    # stores (fp32 D=1008: 15 four-vector steps, then single vectors; bf16 and
-    # fp16 need D a multiple of 64); other outputs go through a row buffer.
-    rows = (8 << 20) // (d * dtype.itemsize) + 37
+    # stores (bf16 and fp16 need D a multiple of 64); other outputs go through
+    # a row buffer. One site: the row pipeline's weighted sum (fp32 D=1008:
+    # 31 two-vector steps, then a scalar tail); two sites: the tiles'
+    # (15 four-vector steps, then single vectors).
+    rows = (8 << 20) // (d * dtype.itemsize * (q or 1)) + 37
     sources = make_sources(3, (rows,), d, dtype)
-    w, g, _ = site_params(None, d)
+    w, g, _ = site_params(q, d)
     if merge:
         h_a, lse_a = reference.depth_attention(w, make_sources(2, (rows,), d, dtype), g, return_lse=True)
         run = lambda impl, srcs, w, g, **k: impl.depth_attention_merge(w, h_a, lse_a, srcs, g, return_lse=True, **k)
