@@ -17,11 +17,72 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Largest attention head size of the fused attention kernels (C++ CPU, Triton, CUDA): they keep
+# a [tile, Dh] block of q, k, v per program. Here, at the bottom, so that kernels and ops both read it.
+MAX_HEAD_DIM = 256
+
+
+class ReadOptions(NamedTuple):
+    """The options of one depth read (DESIGN.md §2.7), one object from validation to
+    every backend. Its fields, in order, are the trailing scalars of the
+    ``depth_attn_fwd`` / ``depth_attn_bwd`` op schemas (mirrored by the C++ struct
+    ``attnres::ReadOptions`` in ``csrc/depth_attention.h``), so a backend op is
+    called with ``*options``. Build one with :func:`check_read_options`.
+
+    - ``eps``: epsilon of the key RMSNorm ``r_i = rsqrt(mean(v_i²) + eps)``;
+    - ``out_norm_eps``: epsilon of the fused output RMSNorm;
+    - ``scale``: multiplies the logits, in the accumulation dtype (paper: 1;
+      Inkling2: ``1/√D``);
+    - ``normalize_values``: the values are the normalised sources
+      ``r_i v_i`` (times the key-norm weight when one is given; Inkling2)
+      instead of the raw ``v_i`` (paper);
+    - ``out_dtype``: the output dtype, or None for the promotion of the sources'
+      (and a merge prefix's) dtypes.
+    """
+
+    eps: float = 1e-6
+    out_norm_eps: float = 1e-6
+    scale: float = 1.0
+    normalize_values: bool = False
+    out_dtype: torch.dtype | None = None
+
+
+PAPER_READ = ReadOptions()
+
+# The ReadOptions fields as the trailing arguments of an op schema (the C++ side's
+# ATTNRES_READ_OPTIONS_SCHEMA; the Triton ops define their schemas with it).
+READ_OPTIONS_SCHEMA = "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype"
+
+
+def check_read_options(
+    eps: float = 1e-6,
+    *,
+    scale: float = 1.0,
+    normalize_values: bool = False,
+    out_norm_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> ReadOptions:
+    """The :class:`ReadOptions` of a read, checked; ``out_norm_eps`` defaults to ``eps``."""
+    for name, value in (("eps", eps), ("out_norm_eps", out_norm_eps)):
+        if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0):
+            raise ValueError(f"`{name}` must be a non-negative number, got {value!r}")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)):
+        raise ValueError(f"`scale` must be a finite number, got {scale!r}")
+    if not isinstance(normalize_values, bool):
+        raise TypeError(f"`normalize_values` must be a bool, got {type(normalize_values).__name__}")
+    if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`out_dtype` must be one of float16, bfloat16, float32, float64 or None, got {out_dtype!r}")
+    return ReadOptions(
+        float(eps), float(eps if out_norm_eps is None else out_norm_eps), float(scale), normalize_values, out_dtype
+    )
+
 
 Sources = Tensor | Sequence[Tensor]
 
@@ -55,6 +116,7 @@ class DepthReadArgs:
     site_query: Tensor
     site_norm_weight: Tensor | None
     site_out_norm_weight: Tensor | None
+    options: ReadOptions = PAPER_READ
     prefix_dtype: torch.dtype | None = None  # dtype of a merge prefix h_a; takes part in the promotion
 
     @property
@@ -87,28 +149,33 @@ class DepthReadArgs:
         return self.sources[0].shape[:-1]
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The output dtype: the promotion of the source dtypes (and of a merge prefix)."""
+    def input_dtype(self) -> torch.dtype:
+        """The promotion of the source dtypes (and of a merge prefix)."""
         dtype = promoted_dtype(self.sources)
         return dtype if self.prefix_dtype is None else torch.promote_types(dtype, self.prefix_dtype)
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The output dtype: ``options.out_dtype`` when given, else :attr:`input_dtype`."""
+        return self.options.out_dtype or self.input_dtype
+
+    @property
     def acc_dtype(self) -> torch.dtype:
-        """The accumulation dtype: fp64 when the output dtype is fp64, else fp32."""
-        return accumulation_dtype(self.dtype)
+        """The accumulation dtype: fp64 when the inputs or the output are fp64, else fp32."""
+        return accumulation_dtype(torch.promote_types(self.input_dtype, self.dtype))
 
     @property
     def device(self) -> torch.device:
         return self.sources[0].device
 
     def query_key(self) -> Tensor:
-        """``u = w ⊙ γ`` in the accumulation dtype, ``[Q, D]``; folded once per
+        """``u = scale · w ⊙ γ`` in the accumulation dtype, ``[Q, D]``; folded once per
         call so a kernel needs a single dot product per source row."""
         acc = self.acc_dtype
         u = self.query.to(acc)
         if self.norm_weight is not None:
             u = u * self.norm_weight.to(acc)
-        return u
+        return u if self.options.scale == 1.0 else u * self.options.scale
 
     def pack_outputs(self, out: Tensor, lse: Tensor, weights: Tensor | None, return_lse: bool, return_weights: bool):
         """``out`` followed by ``lse`` and ``weights`` when asked for, without the site
@@ -194,21 +261,20 @@ def check_depth_read(
     sources: Sources,
     norm_weight: Tensor | None,
     out_norm_weight: Tensor | None,
-    eps: float,
+    options: ReadOptions = PAPER_READ,
 ) -> DepthReadArgs:
+    """Checks a read's tensors (its ``options`` come checked from :func:`check_read_options`)."""
     srcs = _as_source_tuple(sources)
     _check_sources(srcs)
     device, d = srcs[0].device, srcs[0].shape[-1]
     _check_param("query", query, device, d)
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"`eps` must be a non-negative number, got {eps!r}")
     multi_query = query.dim() == 2
     q = query.shape[0] if multi_query else 1
     if q == 0:
         raise ValueError("`query` has Q = 0 sites")
     _check_per_site("norm_weight", norm_weight, q, multi_query, device, d)
     _check_per_site("out_norm_weight", out_norm_weight, q, multi_query, device, d)
-    return DepthReadArgs(srcs, query, norm_weight, out_norm_weight)
+    return DepthReadArgs(srcs, query, norm_weight, out_norm_weight, options)
 
 
 def check_prefix_args(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) -> DepthReadArgs:

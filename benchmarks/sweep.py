@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnres_kernels as ak
+from attnres_kernels._validation import PAPER_READ
 from attnres_kernels.ops import depth as depth_ops
 
 from common import (
@@ -134,12 +135,14 @@ def bench_small_reads():
 
             def raw_fwd():
                 with torch.no_grad():
-                    return fwd_op(sources, query, norm_weight, None, None, g_out, 1e-6)
+                    return fwd_op(sources, query, norm_weight, None, None, g_out, *PAPER_READ)
 
             def raw_fwd_bwd():
                 out, _, logits, rinv = raw_fwd()
                 with torch.no_grad():
-                    bwd_op(grad_out, None, None, sources, query, norm_weight, None, None, g_out, logits, rinv, 1e-6)
+                    bwd_op(
+                        grad_out, None, None, sources, query, norm_weight, None, None, g_out, logits, rinv, *PAPER_READ
+                    )
 
             def public():
                 return ak.depth_attention(query, sources, norm_weight, out_norm_weight=g_out, backend="cpu")

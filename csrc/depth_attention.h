@@ -6,11 +6,42 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
 #include <string>
 #include <tuple>
 #include <vector>
 
 namespace attnres {
+
+// The options of one depth read (DESIGN.md §2.7), mirrored field by field by the
+// Python NamedTuple attnres_kernels._validation.ReadOptions:
+// - eps: the key RMSNorm's epsilon; out_norm_eps: the fused output norm's;
+// - scale: multiplies the logits (folded into u = scale * query ⊙ norm_weight in the
+//   accumulation dtype, never into a low-precision query);
+// - normalize_values: the values are the normalised sources r_i v_i (Inkling2)
+//   instead of the raw v_i (paper);
+// - out_dtype: the output's dtype when given (else the promotion of the sources'
+//   and the prefix's dtypes).
+// The op schemas carry the fields as trailing scalars (ATTNRES_READ_OPTIONS_SCHEMA); a
+// kernel entry point takes them as ATTNRES_READ_OPTIONS_PARAMS and builds the struct with
+// ATTNRES_READ_OPTIONS: a new option is one field here, in the three macros and in the
+// Python NamedTuple.
+struct ReadOptions {
+  double eps = 1e-6;
+  double out_norm_eps = 1e-6;
+  double scale = 1.0;
+  bool normalize_values = false;
+  c10::optional<at::ScalarType> out_dtype;
+
+  // The fields in schema order, for calls through the dispatcher (std::apply).
+  auto as_tuple() const { return std::make_tuple(eps, out_norm_eps, scale, normalize_values, out_dtype); }
+};
+
+#define ATTNRES_READ_OPTIONS_SCHEMA \
+  "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype"
+#define ATTNRES_READ_OPTIONS_PARAMS \
+  double eps, double out_norm_eps, double scale, bool normalize_values, c10::optional<at::ScalarType> out_dtype
+#define ATTNRES_READ_OPTIONS (::attnres::ReadOptions{eps, out_norm_eps, scale, normalize_values, out_dtype})
 
 // Name of the vector instruction set the CPU kernels were compiled for.
 const char* cpu_vector_isa();
@@ -92,7 +123,8 @@ inline void check_site_param(const at::Tensor& t, const char* name, int64_t q, b
 }
 
 inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
-                                    const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src) {
+                                    const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
+                                    double scale) {
   const at::ScalarType acc = src.acc_dtype;
   const auto device = src.rows[0].device();
   TORCH_CHECK(query.dim() == 1 || query.dim() == 2, "depth attention: `query` must be [D] or [Q, D], got ",
@@ -109,7 +141,7 @@ inline SiteParams check_site_params(const at::Tensor& query, const c10::optional
     check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, src.dim, device);
     p.u = p.u * norm_weight->to(acc);
   }
-  p.u = p.u.contiguous();
+  p.u = scale == 1.0 ? p.u.contiguous() : (p.u * scale).contiguous();
   if (out_norm_weight.has_value()) {
     check_site_param(*out_norm_weight, "out_norm_weight", p.num_sites, site_dim, src.dim, device);
     p.g = out_norm_weight->to(acc).expand(qd).contiguous();
@@ -124,12 +156,15 @@ inline at::Tensor reduce_to_param(const at::Tensor& grad, const at::Tensor& para
   return g.to(param.scalar_type());
 }
 
-// Gradients of query, norm_weight and out_norm_weight from those of u = query ⊙
-// norm_weight ([Q, D]) and of the output-norm weight g ([Q, D]); absent
+// Gradients of query, norm_weight and out_norm_weight from those of u = scale *
+// query ⊙ norm_weight ([Q, D]) and of the output-norm weight g ([Q, D]); absent
 // parameters get empty tensors.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads(
-    const at::Tensor& du, const at::Tensor& dg, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
-    const c10::optional<at::Tensor>& out_norm_weight) {
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads(const at::Tensor& du_scaled,
+                                                                       const at::Tensor& dg, const at::Tensor& query,
+                                                                       const c10::optional<at::Tensor>& norm_weight,
+                                                                       const c10::optional<at::Tensor>& out_norm_weight,
+                                                                       double scale = 1.0) {
+  const at::Tensor du = scale == 1.0 ? du_scaled : du_scaled * scale;
   const auto acc = du.scalar_type();
   const auto empty = at::empty({0}, du.options());
   at::Tensor d_query, d_norm;
@@ -182,19 +217,48 @@ inline void check_prefix(const c10::optional<at::Tensor>& prefix_out, const c10:
   TORCH_CHECK(prefix_out.has_value() == prefix_lse.has_value(),
               "depth attention: prefix_out and prefix_lse must be given together");
   if (!prefix_out.has_value()) return;
+  TORCH_CHECK(prefix_out->dim() > 0, "depth attention: prefix_out must be [Q?, ..., D], got a scalar");
   TORCH_CHECK(prefix_out->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape, {src.dim})),
               "depth attention: prefix_out must be [Q?, ..., D] like the output, got ", prefix_out->sizes());
   TORCH_CHECK(is_supported_dtype(prefix_out->scalar_type()), "depth attention: prefix_out has unsupported dtype ",
               prefix_out->scalar_type());
   TORCH_CHECK(prefix_out->device() == src.rows[0].device(), "depth attention: prefix_out is on another device");
   src.out_dtype = at::promote_types(src.out_dtype, prefix_out->scalar_type());
-  src.acc_dtype = accumulation_type(src.out_dtype);
+  src.acc_dtype = accumulation_type(at::promote_types(src.acc_dtype, src.out_dtype));
   TORCH_CHECK(prefix_lse->sizes() == at::IntArrayRef(shape_with(q_dims, src.lead_shape)),
               "depth attention: prefix_lse must be [Q?, ...] like lse, got ", prefix_lse->sizes());
   TORCH_CHECK(prefix_lse->scalar_type() == src.acc_dtype, "depth attention: prefix_lse must be ", src.acc_dtype,
               " (the accumulation dtype), got ", prefix_lse->scalar_type());
   h_a = prefix_out->contiguous();
   lse_a = prefix_lse->contiguous();
+}
+
+// One checked read: the sources' rows, the merge prefix (h_a, lse_a; undefined
+// without one), the site parameters, and the options. With options.out_dtype the
+// output has that dtype, and the accumulation dtype is fp64 when it (or the
+// inputs' promotion) is fp64.
+struct CheckedRead {
+  SourceRows in;
+  at::Tensor h_a, lse_a;
+  SiteParams site;
+  ReadOptions options;
+};
+
+inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
+                              const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& prefix_out,
+                              const c10::optional<at::Tensor>& prefix_lse,
+                              const c10::optional<at::Tensor>& out_norm_weight, const ReadOptions& options) {
+  CheckedRead r{check_sources(sources), {}, {}, {}, options};
+  TORCH_CHECK(options.eps >= 0 && options.out_norm_eps >= 0, "depth attention: eps and out_norm_eps must be >= 0");
+  TORCH_CHECK(std::isfinite(options.scale), "depth attention: `scale` must be finite, got ", options.scale);
+  if (options.out_dtype.has_value()) {
+    TORCH_CHECK(is_supported_dtype(*options.out_dtype), "depth attention: unsupported out_dtype ", *options.out_dtype);
+    r.in.acc_dtype = accumulation_type(at::promote_types(r.in.out_dtype, *options.out_dtype));
+  }
+  check_prefix(prefix_out, prefix_lse, site_dims(query), r.in, r.h_a, r.lse_a);
+  if (options.out_dtype.has_value()) r.in.out_dtype = *options.out_dtype;
+  r.site = check_site_params(query, norm_weight, out_norm_weight, r.in, options.scale);
+  return r;
 }
 
 }  // namespace attnres

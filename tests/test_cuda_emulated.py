@@ -9,6 +9,7 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+from attnres_kernels._validation import PAPER_READ, ReadOptions
 from attnres_kernels.cuda import emulation
 
 from support import (
@@ -164,10 +165,10 @@ def _op_samples(q=3, d=6, rows=(3, 2), n=3):
         s.detach().to(dt).requires_grad_() for s, dt in zip(sources, (torch.float32, torch.bfloat16, torch.float16))
     ]
     return [
-        (sources, w, gamma, None, None, g, 1e-5),
-        (sources, w, g, h_a, lse_a, gamma, 1e-6),
-        (sources, w1, g, h_a1, lse_a1, g, 1e-6),
-        (mixed, w, gamma, None, None, g, 1e-6),
+        (sources, w, gamma, None, None, g, *ReadOptions(1e-5, 1e-5, 0.5)),
+        (sources, w, g, h_a, lse_a, gamma, *PAPER_READ),
+        (sources, w1, g, h_a1, lse_a1, g, *PAPER_READ),
+        (mixed, w, gamma, None, None, g, *PAPER_READ),
     ]
 
 
@@ -245,7 +246,9 @@ def test_rows_wider_than_the_kernels_are_refused():
         ak.depth_attention(torch.randn(4097), [torch.randn(1, 4097)], backend="cuda")
     # The op itself states the same limit (Python and C++ agree).
     with pytest.raises(ValueError, match="1 <= D <= 4096"):
-        torch.ops.attnres_emu.depth_attn_fwd([torch.randn(1, 4097)], torch.randn(4097), None, None, None, None, 1e-6)
+        torch.ops.attnres_emu.depth_attn_fwd(
+            [torch.randn(1, 4097)], torch.randn(4097), None, None, None, None, *PAPER_READ
+        )
 
 
 def test_grid_stride_and_several_teams_per_block():

@@ -12,6 +12,7 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+from attnres_kernels._validation import PAPER_READ, ReadOptions
 
 from support import (
     assert_close_to_oracle,
@@ -239,12 +240,16 @@ def _op_samples(q=2, d=6, rows=(3, 2), n=3):
     h_a = torch.randn(q, *rows, d, requires_grad=True)
     lse_a = torch.randn(q, *rows, requires_grad=True)
     w1, h_a1, lse_a1 = w[0].detach().requires_grad_(), h_a[0].detach(), lse_a[0].detach()
+    paper, scaled = PAPER_READ, ReadOptions(1e-5, 1e-3, 0.25)
+    inkling2 = ReadOptions(1e-6, 1e-5, d**-0.5, True, torch.float64)
     return [
-        (sources, w, None, None, None, None, 1e-6),
-        (sources, w, gamma, None, None, g, 1e-5),
-        (sources, w, g, h_a, lse_a, gamma, 1e-6),
-        (sources, w1, g, h_a1, lse_a1, g, 1e-6),
-        ([s.detach() for s in sources], w.detach(), None, h_a.detach(), lse_a.detach(), None, 1e-6),
+        (sources, w, None, None, None, None, *paper),
+        (sources, w, gamma, None, None, g, *scaled),
+        (sources, w, g, h_a, lse_a, gamma, *paper),
+        (sources, w1, g, h_a1, lse_a1, g, *paper),
+        ([s.detach() for s in sources], w.detach(), None, h_a.detach(), lse_a.detach(), None, *paper),
+        (sources, w, None, None, None, g, *inkling2),
+        (sources, w1, None, h_a1, lse_a1, None, *inkling2._replace(out_dtype=None)),
     ]
 
 
@@ -252,4 +257,6 @@ def _op_samples(q=2, d=6, rows=(3, 2), n=3):
 def test_opcheck(backend):
     op = (torch.ops.attnres.depth_attn_fwd if backend == "cpu" else torch.ops.attnres_triton.depth_attn_fwd).default
     for args in _op_samples():
+        if backend == "triton" and ReadOptions(*args[6:]) != PAPER_READ._replace(eps=args[6], out_norm_eps=args[6]):
+            continue  # the Triton kernels implement the paper's read only, for now
         torch.library.opcheck(op, args)

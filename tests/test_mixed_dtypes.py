@@ -6,6 +6,7 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels import reference
+from attnres_kernels._validation import ReadOptions
 
 from support import assert_close_to_oracle, read_with_grads, site_params
 
@@ -171,5 +172,6 @@ def test_opcheck_mixed_dtypes(backend):
     g = torch.rand(8, requires_grad=True)
     h_a = torch.randn(2, 3, 2, 8, dtype=torch.float16, requires_grad=True)
     lse_a = torch.randn(2, 3, 2, requires_grad=True)
-    for args in [(sources, w, g, None, None, g, 1e-6), (sources, w, None, h_a, lse_a, None, 1e-6)]:
+    paper = ReadOptions()
+    for args in [(sources, w, g, None, None, g, *paper), (sources, w, None, h_a, lse_a, None, *paper)]:
         torch.library.opcheck(ns.depth_attn_fwd.default, args)

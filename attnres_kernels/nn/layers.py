@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops
+from .._validation import ReadOptions
 from ..ops import _native
 from ..ops.block_step import step_unchecked
 from ..ops.depth import read_unchecked
@@ -176,7 +177,9 @@ def phase1_read(backends: Backends, sources, group: tuple, eps: float):
     sites = [site for _, site in group]
     query = torch.stack([s.query for s in sites])
     norm_weight = torch.stack([s.norm_weight for s in sites])
-    h, lse = read_unchecked(backends.depth, list(sources), query, norm_weight, eps=eps, return_lse=True)
+    h, lse = read_unchecked(
+        backends.depth, list(sources), query, norm_weight, options=ReadOptions(eps, eps), return_lse=True
+    )
     return h.unbind(0), lse.unbind(0)
 
 
@@ -190,7 +193,7 @@ def site_read(backends: Backends, sources, site: DepthAttentionSite, out_norm_we
         site.query,
         site.norm_weight,
         out_norm_weight=out_norm_weight,
-        eps=eps,
+        options=ReadOptions(eps, eps),
         return_weights=weights is not None,
     )
     if weights is None:
@@ -207,7 +210,7 @@ def merge_read(backends: Backends, prefix: tuple, sources, site: DepthAttentionS
         site.norm_weight,
         prefix=prefix,
         out_norm_weight=out_norm_weight,
-        eps=eps,
+        options=ReadOptions(eps, eps),
     )
 
 

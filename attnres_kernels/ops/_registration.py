@@ -2,22 +2,26 @@
 
 Depth read. Each backend provides a pair of ops with one schema::
 
-    depth_attn_fwd(sources, query, norm_weight?, prefix_out?, prefix_lse?, out_norm_weight?, eps)
+    depth_attn_fwd(sources, query, norm_weight?, prefix_out?, prefix_lse?, out_norm_weight?, *options)
         -> (out [Q?, ..., D], lse [Q?, ...], logits [Q?, N, ...], rinv [N, ...])
     depth_attn_bwd(grad_out, grad_lse?, grad_logits?, sources, query, norm_weight?, prefix_out?,
-                   prefix_lse?, out_norm_weight?, logits, rinv, eps)
+                   prefix_lse?, out_norm_weight?, logits, rinv, *options)
         -> (grad_sources, grad_query, grad_norm_weight, grad_prefix_out, grad_prefix_lse,
             grad_out_norm_weight)
+
+where ``*options`` are the fields of :class:`attnres_kernels._validation.ReadOptions`
+(``eps, out_norm_eps, scale, normalize_values, out_dtype``), passed as trailing scalars.
 
 ``query`` is ``[D]`` (one site; the outputs then have no site dim ``Q?``) or
 ``[Q, D]``; ``norm_weight`` and ``out_norm_weight`` are ``[D]`` (shared by every
 site) or ``[Q, D]``, in any floating dtype (their gradients come back in it).
-The kernels fold ``u = query ⊙ norm_weight`` once per call. ``out`` is ``h`` or,
-with ``out_norm_weight``, ``rmsnorm(h) * out_norm_weight``. ``lse``, ``logits``
+The kernels fold ``u = scale · query ⊙ norm_weight`` once per call. ``out`` is ``h`` or,
+with ``out_norm_weight``, ``rmsnorm(h) * out_norm_weight``; ``logits`` are the scaled
+logits ``r_i <u, v_i>``. ``lse``, ``logits``
 and ``rinv`` (the key-norm scale ``r_i``) are in the accumulation dtype (fp32;
-fp64 when the output dtype is fp64). Sources may differ in dtype: ``out`` has
-their promoted dtype (with ``prefix_out``'s), ``grad_out`` has the dtype of
-``out``, and each source gradient the dtype of its source. Absent optional
+fp64 when the inputs or the output are fp64). Sources may differ in dtype: ``out`` has
+``out_dtype`` or else their promoted dtype (with ``prefix_out``'s), ``grad_out`` has the
+dtype of ``out``, and each source gradient the dtype of its source. Absent optional
 inputs get empty gradients.
 
 Saved for backward (never a copy of the sources): references to the sources,
@@ -46,11 +50,13 @@ reference's cost.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import reference
-from .._validation import accumulation_dtype, promoted_dtype
-from ..reference.ops import _logits
+from .._validation import DepthReadArgs, ReadOptions, accumulation_dtype, promoted_dtype
+from ..reference import ops as reference_ops
 
 
 def differentiable_grads(fn, inputs: list, grad_outputs: list) -> list:
@@ -86,27 +92,28 @@ def differentiable_grads(fn, inputs: list, grad_outputs: list) -> list:
 # ---------------------------------------------------------------- depth read
 
 
-def reference_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+def reference_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, options):
     """``(out, lse, logits)`` of ``depth_attn_fwd`` computed by the reference (differentiable)."""
-    kwargs = dict(eps=eps, out_norm_weight=out_norm_weight, return_lse=True)
+    args = DepthReadArgs(tuple(sources), query, norm_weight, out_norm_weight, ReadOptions(*options))
     if prefix_out is None:
-        out, lse = reference.depth_attention(query, sources, norm_weight, **kwargs)
+        out, lse = reference_ops.read(args, return_lse=True)
     else:
-        out, lse = reference.depth_attention_merge(query, prefix_out, prefix_lse, sources, norm_weight, **kwargs)
-    acc = lse.dtype
-    u = query.to(acc) if query.dim() == 2 else query.to(acc).unsqueeze(0)
-    if norm_weight is not None:
-        u = u * norm_weight.to(acc)
-    logits = _logits(u, torch.stack([s.to(acc) for s in sources]), eps)
+        args = dataclasses.replace(args, prefix_dtype=prefix_out.dtype)
+        out, lse = reference_ops.merge(args, prefix_out, prefix_lse, return_lse=True)
+    logits = reference_ops._logits(
+        args.query_key(), torch.stack([s.to(args.acc_dtype) for s in sources]), args.options.eps
+    )
     return out, lse, logits if query.dim() == 2 else logits.squeeze(0)
 
 
-def fake_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+def fake_depth_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options):
+    options = ReadOptions(*options)
     first = sources[0]
     lead, d = first.shape[:-1], first.shape[-1]
     q_dims = tuple(query.shape[:-1])
-    out_dtype = promoted_dtype([*sources, prefix_out])
-    acc = accumulation_dtype(out_dtype)
+    input_dtype = promoted_dtype([*sources, prefix_out])
+    out_dtype = options.out_dtype or input_dtype
+    acc = accumulation_dtype(torch.promote_types(input_dtype, out_dtype))
     return (
         first.new_empty((*q_dims, *lead, d), dtype=out_dtype),
         first.new_empty((*q_dims, *lead), dtype=acc),
@@ -131,7 +138,7 @@ def fake_depth_bwd(
     out_norm_weight,
     logits,
     rinv,
-    eps,
+    *options,
 ):
     return (
         [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sources],
@@ -152,10 +159,10 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
     """Python autograd of a depth-read forward op (``bwd_op`` computes its gradients)."""
 
     def setup_context(ctx, inputs, output):
-        sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs
+        sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options = inputs
         out, _, logits, rinv = output
         ctx.mark_non_differentiable(rinv)
-        ctx.num_sources, ctx.eps, ctx.out_dtype = len(sources), eps, out.dtype
+        ctx.num_sources, ctx.options, ctx.out_dtype = len(sources), ReadOptions(*options), out.dtype
         ctx.save_for_backward(*sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logits, rinv)
 
     def backward(ctx, grad_out, grad_lse, grad_logits, _grad_rinv):
@@ -165,11 +172,11 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
             n = ctx.num_sources
             grads = differentiable_grads(
-                lambda x: reference_depth_fwd(x[:n], *x[n:], ctx.eps),
+                lambda x: reference_depth_fwd(x[:n], *x[n:], ctx.options),
                 [*sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
                 [grad_out, grad_lse, grad_logits],
             )
-            return (grads[:n], *grads[n:], None)
+            return (grads[:n], *grads[n:], *[None] * len(ctx.options))
         if grad_out is None:
             lead = sources[0].shape
             grad_out = sources[0].new_zeros((*query.shape[:-1], *lead), dtype=ctx.out_dtype)
@@ -185,7 +192,7 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
             out_norm_weight,
             logits,
             rinv,
-            ctx.eps,
+            *ctx.options,
         )
         grad_sources, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g = grads
         present = lambda grad, t: grad if t is not None else None
@@ -196,14 +203,14 @@ def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
             present(grad_prefix_out, prefix_out),
             present(grad_prefix_lse, prefix_lse),
             present(grad_g, out_norm_weight),
-            None,
+            *[None] * len(ctx.options),
         )
 
     torch.library.register_autograd(fwd_name, backward, setup_context=setup_context)
 
 
 def differentiable_depth_bwd(
-    grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps
+    grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options
 ):
     """``attnres::depth_attn_bwd_differentiable``: the gradients of ``depth_attn_fwd``
     w.r.t. its inputs, differentiable (by autograd through the reference). One
@@ -211,7 +218,7 @@ def differentiable_depth_bwd(
     an empty tensor for an input that is absent or does not require grad."""
     n = len(sources)
     grads = differentiable_grads(
-        lambda x: reference_depth_fwd(x[:n], *x[n:], eps),
+        lambda x: reference_depth_fwd(x[:n], *x[n:], options),
         [*sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
         [grad_out, grad_lse, grad_logits],
     )

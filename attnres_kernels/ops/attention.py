@@ -15,11 +15,9 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validation import check_attention
+from .._validation import MAX_HEAD_DIM, check_attention
 from . import _dispatch, _native
 from ._registration import register_native_attention_ops
-
-MAX_HEAD_DIM = 256  # the fused kernels keep a [tile, Dh] block of q, k, v per program
 
 if _native.defines("attn_fwd"):
     register_native_attention_ops()

@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from .. import reference
-from .._validation import accumulation_dtype, check_block_step, check_depth_read, check_prefix, promoted_dtype
+from .._validation import (
+    accumulation_dtype,
+    check_block_step,
+    check_depth_read,
+    check_prefix,
+    check_read_options,
+    promoted_dtype,
+)
 from . import _dispatch, _native
 from ._registration import register_native_block_step_ops
 
@@ -99,7 +106,7 @@ def block_step(
     Gradients flow to both addends (each in its own dtype), the site parameters and the
     prefix; autograd keeps ``new_partial`` for the backward, never the addends."""
     check_block_step(partial, update)
-    args = check_depth_read(query, [update], norm_weight, out_norm_weight, eps)
+    args = check_depth_read(query, [update], norm_weight, out_norm_weight, check_read_options(eps))
     if args.multi_query:
         raise ValueError(f"`query` of a Block step is one site's [D], got shape {tuple(query.shape)}")
     check_prefix(args, prefix_out, prefix_lse)

@@ -9,11 +9,21 @@ op's autograd in ``csrc/autograd``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
-from .. import reference
-from .._validation import Sources, check_depth_read, check_prefix_args
+from .._validation import (
+    PAPER_READ,
+    DepthReadArgs,
+    ReadOptions,
+    Sources,
+    check_depth_read,
+    check_prefix_args,
+    check_read_options,
+)
+from ..reference import ops as reference_ops
 from . import _dispatch, _native
 from ._registration import register_native_depth_attn_ops
 
@@ -21,26 +31,44 @@ if _native.available():
     register_native_depth_attn_ops()
 
 
-def _limit(dim: int, dtype: torch.dtype):
+def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weighted_values: bool = False):
+    """The fused backends' limits for a read of ``dtype`` sources of width ``dim`` with
+    ``options`` (``weighted_values``: normalised values times a key-norm weight)."""
+
     def limit(backend: str) -> str | None:
+        if options.normalize_values and weighted_values:
+            return "the fused kernels normalise the values only without a key-norm weight (norm_weight=None)"
         if backend == "triton":
             from .. import triton as triton_backend
 
             if dim > triton_backend.max_dim(dtype):
                 return f"the Triton kernels support D <= {triton_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
+            if options.normalize_values or options.out_norm_eps != options.eps or options.out_dtype is not None:
+                return "the Triton kernels do not implement normalize_values, out_norm_eps or out_dtype yet"
         if backend == "cuda":
             from .. import cuda as cuda_backend
 
             if dim > cuda_backend.max_dim(dtype):
                 return f"the CUDA kernels support D <= {cuda_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
+            if options.normalize_values or options.out_norm_eps != options.eps:
+                return "the CUDA kernels do not implement normalize_values or a separate out_norm_eps yet"
         return None
 
     return limit
 
 
-def resolve_backend(backend: str, device: torch.device, dim: int, dtype: torch.dtype = torch.float32) -> str:
-    """The backend that will run a depth read of ``dtype`` sources of width ``dim`` on ``device``."""
-    return _dispatch.resolve(backend, device, "depth_attn_fwd", _limit(dim, dtype), what=f" (D = {dim}, {dtype})")
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    options: ReadOptions = PAPER_READ,
+    weighted_values: bool = False,
+) -> str:
+    """The backend that will run a depth read of ``dtype`` sources of width ``dim`` on ``device``
+    with ``options`` (``weighted_values``: ``normalize_values`` with a key-norm weight)."""
+    limit = _limit(dim, dtype, options, weighted_values)
+    return _dispatch.resolve(backend, device, "depth_attn_fwd", limit, what=f" (D = {dim}, {dtype})")
 
 
 def available_backends(device: torch.device | str = "cpu", dim: int = 1, dtype: torch.dtype = torch.float32) -> list:
@@ -60,39 +88,26 @@ def read_unchecked(
     *,
     prefix: tuple | None = None,
     out_norm_weight: Tensor | None = None,
-    eps: float = 1e-6,
+    options: ReadOptions = PAPER_READ,
     return_lse: bool = False,
     return_weights: bool = False,
 ):
     """A depth read without argument checks, for modules that already guarantee
     what :func:`depth_attention` checks (a list of same-shape, same-device sources of
     supported dtypes; ``[D]`` or ``[Q, D]`` parameters; a ``(prefix_out, prefix_lse)``
-    merge prefix with ``prefix_lse`` in the accumulation dtype) and that resolved
+    merge prefix with ``prefix_lse`` in the accumulation dtype; ``options`` from
+    :func:`attnres_kernels._validation.check_read_options`) and that resolved
     ``backend`` once (:func:`resolve_backend`; ``"auto"`` is not accepted here).
     Same results as :func:`depth_attention` / :func:`depth_attention_merge`."""
     if backend == "reference":
+        args = DepthReadArgs(tuple(sources), query, norm_weight, out_norm_weight, options)
         if prefix is None:
-            return reference.depth_attention(
-                query,
-                sources,
-                norm_weight,
-                eps=eps,
-                out_norm_weight=out_norm_weight,
-                return_lse=return_lse,
-                return_weights=return_weights,
-            )
-        return reference.depth_attention_merge(
-            query, *prefix, sources, norm_weight, eps=eps, out_norm_weight=out_norm_weight, return_lse=return_lse
-        )
-    return _run_fused(
-        backend, sources, query, norm_weight, prefix or (None, None), out_norm_weight, eps, return_lse, return_weights
-    )
-
-
-def _run_fused(backend, sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, return_weights):
-    prefix_out, prefix_lse = prefix
+            return reference_ops.read(args, return_lse, return_weights)
+        args = dataclasses.replace(args, prefix_dtype=prefix[0].dtype)
+        return reference_ops.merge(args, *prefix, return_lse)
+    prefix_out, prefix_lse = prefix or (None, None)
     out, lse, logits, _ = _dispatch.fused_op(backend, "depth_attn_fwd", sources[0].device)(
-        list(sources), query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
+        list(sources), query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options
     )
     outputs = [out] + ([lse] if return_lse else [])
     if return_weights:
@@ -102,39 +117,55 @@ def _run_fused(backend, sources, query, norm_weight, prefix, out_norm_weight, ep
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, return_lse, return_weights):
+    """Runs a checked read (``args``; a merge when ``prefix`` is given) on the backend ``backend`` resolves to."""
+    weighted_values = args.options.normalize_values and norm_weight is not None
+    compute_dtype = torch.promote_types(args.input_dtype, args.dtype)
+    chosen = resolve_backend(
+        backend, args.device, args.sources[0].shape[-1], compute_dtype, args.options, weighted_values
+    )
+    if prefix is not None and chosen != "reference":
+        prefix = (prefix[0], prefix[1].to(args.acc_dtype))
+    return read_unchecked(
+        chosen,
+        list(args.sources),
+        args.site_query,
+        norm_weight,
+        prefix=prefix,
+        out_norm_weight=out_norm_weight,
+        options=args.options,
+        return_lse=return_lse,
+        return_weights=return_weights,
+    )
+
+
 def depth_attention(
     query: Tensor,
     sources: Sources,
     norm_weight: Tensor | None = None,
     *,
+    scale: float = 1.0,
+    normalize_values: bool = False,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    out_norm_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
     backend: str = "auto",
 ):
-    """Softmax attention over depth (DESIGN.md §2.1), fused.
+    """Softmax attention over depth (DESIGN.md §2.1, §2.7), fused.
 
     Same arguments and results as :func:`attnres_kernels.reference.depth_attention`,
     plus ``backend`` (see :mod:`attnres_kernels.ops`). Gradients flow to the sources,
     ``query``, ``norm_weight`` and ``out_norm_weight``, and through ``lse``
     and the weights when those are used.
     """
-    args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
-    if chosen == "reference":
-        return reference.depth_attention(
-            query,
-            sources,
-            norm_weight,
-            eps=eps,
-            out_norm_weight=out_norm_weight,
-            return_lse=return_lse,
-            return_weights=return_weights,
-        )
-    return _run_fused(
-        chosen, args.sources, query, norm_weight, (None, None), out_norm_weight, eps, return_lse, return_weights
+    options = check_read_options(
+        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
     )
+    args = check_depth_read(query, sources, norm_weight, out_norm_weight, options)
+    return _read(args, norm_weight, out_norm_weight, None, backend, return_lse, return_weights)
 
 
 def depth_attention_merge(
@@ -144,30 +175,24 @@ def depth_attention_merge(
     sources: Sources,
     norm_weight: Tensor | None = None,
     *,
+    scale: float = 1.0,
+    normalize_values: bool = False,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    out_norm_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
     backend: str = "auto",
 ):
     """Extends a read ``(prefix_out, prefix_lse)`` over sources A with sources B, fused.
 
-    Equals :func:`depth_attention` over ``A ∪ B``; see
+    Equals :func:`depth_attention` over ``A ∪ B`` with the same options; see
     :func:`attnres_kernels.reference.depth_attention_merge`.
     """
-    args = check_prefix_args(
-        check_depth_read(query, sources, norm_weight, out_norm_weight, eps), prefix_out, prefix_lse
+    options = check_read_options(
+        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
     )
-    chosen = resolve_backend(backend, args.device, args.sources[0].shape[-1], args.dtype)
-    if chosen == "reference":
-        return reference.depth_attention_merge(
-            query,
-            prefix_out,
-            prefix_lse,
-            sources,
-            norm_weight,
-            eps=eps,
-            out_norm_weight=out_norm_weight,
-            return_lse=return_lse,
-        )
-    prefix = (prefix_out, prefix_lse.to(args.acc_dtype))
-    return _run_fused(chosen, args.sources, query, norm_weight, prefix, out_norm_weight, eps, return_lse, False)
+    args = check_prefix_args(
+        check_depth_read(query, sources, norm_weight, out_norm_weight, options), prefix_out, prefix_lse
+    )
+    return _read(args, norm_weight, out_norm_weight, (prefix_out, prefix_lse), backend, return_lse, False)

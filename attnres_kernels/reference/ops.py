@@ -13,12 +13,14 @@ import torch
 from torch import Tensor
 
 from .._validation import (
+    DepthReadArgs,
     Sources,
     accumulation_dtype,
     check_attention,
     check_block_step,
     check_depth_read,
-    check_prefix,
+    check_prefix_args,
+    check_read_options,
 )
 
 
@@ -29,18 +31,29 @@ def _rms_normalize(x: Tensor, eps: float) -> Tensor:
 def _logits(u: Tensor, v: Tensor, eps: float) -> Tensor:
     """``s[q, i, ...] = r_i * <u_q, v_i>`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
 
-    ``u`` is ``[Q, D]`` (query ⊙ key-norm weight), ``v`` is ``[N, ..., D]``.
-    There is no ``1/sqrt(D)`` temperature."""
+    ``u`` is ``[Q, D]`` (``scale`` · query ⊙ key-norm weight), ``v`` is ``[N, ..., D]``."""
     r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [N, ...]
     dots = torch.einsum("qd,n...d->qn...", u, v)  # [Q, N, ...]
     return dots * r.unsqueeze(0)
 
 
-def _finish(h: Tensor, lse: Tensor, weights: Tensor | None, args, eps, out_dtype, return_lse, return_weights):
+def _value_sum(weights: Tensor, v: Tensor, args) -> Tensor:
+    """``Σ_i weights[q, i] · value_i`` ``[Q, ..., D]``: the values are the sources ``v_i``,
+    or with ``normalize_values`` the normalised ``rmsnorm(v_i)`` times the key-norm
+    weight when there is one."""
+    if not args.options.normalize_values:
+        return torch.einsum("qn...,n...d->q...d", weights, v)
+    h = torch.einsum("qn...,n...d->q...d", weights, _rms_normalize(v, args.options.eps))
+    if args.norm_weight is not None:
+        h = h * args.norm_weight.to(h.dtype).reshape(args.num_queries, *([1] * (h.dim() - 2)), -1)
+    return h
+
+
+def _finish(h: Tensor, lse: Tensor, weights: Tensor | None, args, return_lse, return_weights):
     if args.out_norm_weight is not None:
         g = args.out_norm_weight.to(h.dtype).reshape(args.num_queries, *([1] * (h.dim() - 2)), -1)
-        h = _rms_normalize(h, eps) * g
-    return args.pack_outputs(h.to(out_dtype), lse, weights, return_lse, return_weights)
+        h = _rms_normalize(h, args.options.out_norm_eps) * g
+    return args.pack_outputs(h.to(args.dtype), lse, weights, return_lse, return_weights)
 
 
 def depth_attention(
@@ -48,8 +61,12 @@ def depth_attention(
     sources: Sources,
     norm_weight: Tensor | None = None,
     *,
+    scale: float = 1.0,
+    normalize_values: bool = False,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    out_norm_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
 ):
@@ -59,24 +76,37 @@ def depth_attention(
         query: pseudo-query ``w``, ``[D]`` for one site or ``[Q, D]`` for Q sites
             reading the same sources.
         sources: N ≥ 1 tensors of one shape ``[..., D]``, or one ``[N, ..., D]`` tensor.
-        norm_weight: key RMSNorm weight ``γ``, ``[D]`` or ``[Q, D]``; None means ones.
-        eps: epsilon of the key RMSNorm (and of the fused output norm).
+        norm_weight: key RMSNorm weight ``γ``, ``[D]`` or ``[Q, D]``; None: an
+            unweighted key norm.
+        scale: multiplies the logits (1 in the paper, ``1/√D`` in Inkling2).
+        normalize_values: the values are the normalised sources ``rmsnorm(v_i)``
+            (times ``norm_weight`` when given), as in Inkling2, instead of the raw
+            sources (the paper).
+        eps: epsilon of the key RMSNorm.
         out_norm_weight: if given, return ``rmsnorm(h) * out_norm_weight`` instead of ``h``.
+        out_norm_eps: epsilon of that output norm (default: ``eps``).
+        out_dtype: dtype of the output (default: the promotion of the source dtypes).
         return_lse: also return ``logsumexp`` of the logits (fp32, fp64 for fp64 inputs).
         return_weights: also return the softmax weights ``α`` (``[N, ...]`` or ``[Q, N, ...]``).
 
     Returns:
-        ``h`` (``[..., D]`` or ``[Q, ..., D]``, the source dtype), followed by
-        ``lse`` and ``weights`` when asked for, in that order.
+        ``h`` (``[..., D]`` or ``[Q, ..., D]``), followed by ``lse`` and ``weights``
+        when asked for, in that order.
     """
-    args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    acc = args.acc_dtype
-    v = torch.stack([s.to(acc) for s in args.sources])  # [N, ..., D]
-    s = _logits(args.query_key(), v, eps)  # [Q, N, ...]
+    options = check_read_options(
+        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+    )
+    return read(check_depth_read(query, sources, norm_weight, out_norm_weight, options), return_lse, return_weights)
+
+
+def read(args: DepthReadArgs, return_lse: bool = False, return_weights: bool = False):
+    """:func:`depth_attention` of checked arguments."""
+    v = torch.stack([s.to(args.acc_dtype) for s in args.sources])  # [N, ..., D]
+    s = _logits(args.query_key(), v, args.options.eps)  # [Q, N, ...]
     weights = torch.softmax(s, dim=1)
-    h = torch.einsum("qn...,n...d->q...d", weights, v)
+    h = _value_sum(weights, v, args)
     lse = torch.logsumexp(s, dim=1)
-    return _finish(h, lse, weights, args, eps, args.dtype, return_lse, return_weights)
+    return _finish(h, lse, weights, args, return_lse, return_weights)
 
 
 def depth_attention_merge(
@@ -86,29 +116,45 @@ def depth_attention_merge(
     sources: Sources,
     norm_weight: Tensor | None = None,
     *,
+    scale: float = 1.0,
+    normalize_values: bool = False,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    out_norm_eps: float | None = None,
+    out_dtype: torch.dtype | None = None,
     return_lse: bool = False,
 ):
     """Extends a finished read ``(h_a, lse_a)`` over a source set A with extra sources B.
 
-    The result equals :func:`depth_attention` over ``A ∪ B`` (DESIGN.md §2.1 "Merge"):
-    ``h = (e^{lse_a - m} h_a + Σ_b e^{s_b - m} v_b) / (e^{lse_a - m} + Σ_b e^{s_b - m})``.
+    The result equals :func:`depth_attention` over ``A ∪ B`` with the same options
+    (DESIGN.md §2.1 "Merge"):
+    ``h = (e^{lse_a - m} h_a + Σ_b e^{s_b - m} value_b) / (e^{lse_a - m} + Σ_b e^{s_b - m})``.
     ``prefix_out`` must be the un-normalized ``h_a`` (not a fused-output-norm result).
     """
-    args = check_depth_read(query, sources, norm_weight, out_norm_weight, eps)
-    args, (h_a, lse_a) = check_prefix(args, prefix_out, prefix_lse)
+    options = check_read_options(
+        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+    )
+    args = check_prefix_args(
+        check_depth_read(query, sources, norm_weight, out_norm_weight, options), prefix_out, prefix_lse
+    )
+    return merge(args, prefix_out, prefix_lse, return_lse)
+
+
+def merge(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor, return_lse: bool = False):
+    """:func:`depth_attention_merge` of checked arguments (``args`` from :func:`check_prefix_args`)."""
+    if not args.multi_query:
+        prefix_out, prefix_lse = prefix_out.unsqueeze(0), prefix_lse.unsqueeze(0)
     acc = args.acc_dtype
     v = torch.stack([s.to(acc) for s in args.sources])
-    s_b = _logits(args.query_key(), v, eps)  # [Q, N_b, ...]
-    all_logits = torch.cat([lse_a.unsqueeze(1), s_b], dim=1)
+    s_b = _logits(args.query_key(), v, args.options.eps)  # [Q, N_b, ...]
+    all_logits = torch.cat([prefix_lse.to(acc).unsqueeze(1), s_b], dim=1)
     m = all_logits.amax(dim=1, keepdim=True)
     e = torch.exp(all_logits - m)  # [Q, 1 + N_b, ...]
-    numerator = e[:, 0].unsqueeze(-1) * h_a.to(acc) + torch.einsum("qn...,n...d->q...d", e[:, 1:], v)
+    numerator = e[:, 0].unsqueeze(-1) * prefix_out.to(acc) + _value_sum(e[:, 1:], v, args)
     denominator = e.sum(dim=1)
     h = numerator / denominator.unsqueeze(-1)
     lse = m.squeeze(1) + torch.log(denominator)
-    return _finish(h, lse, None, args, eps, args.dtype, return_lse, False)
+    return _finish(h, lse, None, args, return_lse, False)
 
 
 def attention(

@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
-from .._validation import accumulation_dtype
-from ..ops.attention import MAX_HEAD_DIM
+from .._validation import MAX_HEAD_DIM, accumulation_dtype
 from . import INTERPRETING
 from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
 from .launch import AotLaunch

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
-from .._validation import accumulation_dtype, promoted_dtype
+from .._validation import ReadOptions, accumulation_dtype, promoted_dtype
 from . import max_dim
 from .kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
 
@@ -239,13 +239,15 @@ def _site_groups(num_queries: int, block_q: int):
     return [(q, min(num_queries, q + block_q)) for q in range(0, num_queries, block_q)]
 
 
-def _site_params(query, norm_weight, out_norm_weight, acc: torch.dtype):
-    """``u = query ⊙ norm_weight`` and the output-norm weight as contiguous ``[Q, D]``
+def _site_params(query, norm_weight, out_norm_weight, acc: torch.dtype, scale: float):
+    """``u = scale · query ⊙ norm_weight`` and the output-norm weight as contiguous ``[Q, D]``
     accumulation-dtype tensors (``[D]`` parameters are shared by the Q sites)."""
     shape = (query.shape[0] if query.dim() == 2 else 1, query.shape[-1])
     u = query.to(acc).expand(shape)
     if norm_weight is not None:
         u = u * norm_weight.to(acc)
+    if scale != 1.0:
+        u = u * scale
     g = out_norm_weight.to(acc).expand(shape).contiguous() if out_norm_weight is not None else None
     return u.contiguous(), g
 
@@ -259,13 +261,21 @@ def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
     return torch.tensor(layout.order, device=device)
 
 
-def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps: float):
+def _check_options(options: ReadOptions) -> None:
+    if options.normalize_values or options.out_norm_eps != options.eps or options.out_dtype is not None:
+        raise NotImplementedError("the Triton depth read does not implement normalize_values, out_norm_eps, out_dtype")
+
+
+def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration`."""
+    options = ReadOptions(*options)
+    _check_options(options)
+    eps = options.eps
     first = sources[0]
     dim, lead = first.shape[-1], first.shape[:-1]
     out_dtype = promoted_dtype([*sources, prefix_out])
     acc_torch, acc_tl = _acc_dtypes(out_dtype)
-    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
+    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch, options.scale)
     m, n, q = first.numel() // dim, len(sources), u.shape[0]
     q_dims = tuple(query.shape[:-1])
     cfg = kernel_config(dim, q, out_dtype)
@@ -341,13 +351,16 @@ def depth_attn_bwd(
     out_norm_weight,
     logits,
     rinv,
-    eps: float,
+    *options,
 ):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration`."""
+    options = ReadOptions(*options)
+    _check_options(options)
+    eps = options.eps
     first = sources[0]
     out_dtype = promoted_dtype([*sources, prefix_out])
     acc_torch, _ = _acc_dtypes(out_dtype)
-    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch)
+    u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch, options.scale)
     # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides,
     # each in its source's dtype.
     grad_sources = [s.new_empty(s.shape) for s in sources]
@@ -364,6 +377,8 @@ def depth_attn_bwd(
     else:
         for gs in grad_sources:
             gs.zero_()
+    if options.scale != 1.0:  # grad_u is the gradient of u = scale · query ⊙ norm_weight
+        grad_u = grad_u * options.scale
     if norm_weight is not None:
         grad_query = _param_grad(grad_u * norm_weight.to(acc_torch), query)
         grad_norm = _param_grad(grad_u * query.to(acc_torch), norm_weight)

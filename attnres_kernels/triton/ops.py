@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import READ_OPTIONS_SCHEMA
 from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
 from . import attention_launch, block_step, launch
 
 FWD_SCHEMA = (
     "(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
-    "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)"
+    f"Tensor? out_norm_weight, {READ_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
     "(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, Tensor? norm_weight, "
-    "Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, Tensor rinv, float eps) "
-    "-> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, Tensor rinv, "
+    f"{READ_OPTIONS_SCHEMA}) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 ATTN_FWD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float scale) -> (Tensor out, Tensor lse)"

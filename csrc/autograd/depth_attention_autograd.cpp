@@ -20,6 +20,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../depth_attention.h"
+
 namespace attnres {
 namespace {
 
@@ -27,17 +29,20 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = c10::optional<at::Tensor>;
 
+// The ReadOptions fields as the ops' trailing arguments (ATTNRES_READ_OPTIONS_PARAMS).
+#define OPTION_TYPES double, double, double, bool, c10::optional<at::ScalarType>
 using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&,
                                                                                 const OptTensor&, const OptTensor&,
                                                                                 const OptTensor&, const OptTensor&,
-                                                                                double);
+                                                                                OPTION_TYPES);
 using BwdSignature = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const OptTensor&, const OptTensor&, at::TensorList, const at::Tensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, double);
+    const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, OPTION_TYPES);
 using DifferentiableBwdSignature = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const OptTensor&,
                                                            at::TensorList, const at::Tensor&, const OptTensor&,
                                                            const OptTensor&, const OptTensor&, const OptTensor&,
-                                                           double);
+                                                           OPTION_TYPES);
+#undef OPTION_TYPES
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> find_op(const char* name) {
@@ -52,13 +57,16 @@ enum Saved { kQuery, kNormWeight, kPrefixOut, kPrefixLse, kOutNormWeight, kLogit
 struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList sources, const at::Tensor& query,
                                const OptTensor& norm_weight, const OptTensor& prefix_out, const OptTensor& prefix_lse,
-                               const OptTensor& out_norm_weight, double eps) {
+                               const OptTensor& out_norm_weight, const ReadOptions& options) {
     static const auto fwd = find_op<FwdSignature>("attnres::depth_attn_fwd");
     at::Tensor out, lse, logits, rinv;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(out, lse, logits, rinv) =
-          fwd.call(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+      std::tie(out, lse, logits, rinv) = std::apply(
+          [&](auto... option) {
+            return fwd.call(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, option...);
+          },
+          options.as_tuple());
     }
     ctx->mark_non_differentiable({rinv});
     ctx->set_materialize_grads(false);  // unused outputs (lse, logits) cost nothing in backward
@@ -68,8 +76,12 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
           prefix_lse.value_or(at::Tensor()), out_norm_weight.value_or(at::Tensor()), logits, rinv})
       saved.push_back(t);
     ctx->save_for_backward(std::move(saved));
-    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["eps"] = options.eps;
+    ctx->saved_data["out_norm_eps"] = options.out_norm_eps;
+    ctx->saved_data["scale"] = options.scale;
+    ctx->saved_data["normalize_values"] = options.normalize_values;
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
+    ctx->saved_data["out_dtype_given"] = options.out_dtype.has_value();
     return {out, lse, logits, rinv};
   }
 
@@ -81,14 +93,17 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
     const at::Tensor& query = rest[kQuery];
     const OptTensor norm_weight = present(rest[kNormWeight]), prefix_out = present(rest[kPrefixOut]),
                     prefix_lse = present(rest[kPrefixLse]), out_norm_weight = present(rest[kOutNormWeight]);
-    const double eps = ctx->saved_data["eps"].toDouble();
+    const auto out_dtype = static_cast<at::ScalarType>(ctx->saved_data["out_dtype"].toInt());
+    const ReadOptions options{ctx->saved_data["eps"].toDouble(), ctx->saved_data["out_norm_eps"].toDouble(),
+                              ctx->saved_data["scale"].toDouble(), ctx->saved_data["normalize_values"].toBool(),
+                              ctx->saved_data["out_dtype_given"].toBool() ? c10::optional(out_dtype) : c10::nullopt};
     const at::Tensor &grad_out = grads[0], &grad_lse = grads[1], &grad_logits = grads[2];
 
-    std::vector<at::Tensor> result;  // one gradient per input of forward (eps included)
+    std::vector<at::Tensor> result;  // one gradient per input of forward (options included)
     result.reserve(n + 6);
     if (at::GradMode::is_enabled()) {
       result = differentiable_backward(grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out,
-                                       prefix_lse, out_norm_weight, eps);
+                                       prefix_lse, out_norm_weight, options);
       // Inputs that do not require grad get no gradient (the Python side returns empty tensors for them).
       const at::Tensor* inputs[] = {&query, &rest[kNormWeight], &rest[kPrefixOut], &rest[kPrefixLse],
                                     &rest[kOutNormWeight]};
@@ -103,15 +118,17 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
         c10::SymDimVector shape;
         if (query.dim() == 2) shape.push_back(query.sym_size(0));
         shape.append(sources[0].sym_sizes().begin(), sources[0].sym_sizes().end());
-        const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["out_dtype"].toInt());
-        dy = at::zeros_symint(shape, sources[0].options().dtype(dtype));
+        dy = at::zeros_symint(shape, sources[0].options().dtype(out_dtype));
       }
       // Below the Autograd key: the fused backward is not differentiable (grad mode is off
       // here), and its boxed autograd fallback would cost more than a small read's kernel.
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      auto [d_sources, d_query, d_norm, d_prefix_out, d_prefix_lse, d_out_norm] =
-          bwd.call(dy, present(grad_lse), present(grad_logits), sources, query, norm_weight, prefix_out, prefix_lse,
-                   out_norm_weight, rest[kLogits], rest[kRinv], eps);
+      auto [d_sources, d_query, d_norm, d_prefix_out, d_prefix_lse, d_out_norm] = std::apply(
+          [&](auto... option) {
+            return bwd.call(dy, present(grad_lse), present(grad_logits), sources, query, norm_weight, prefix_out,
+                            prefix_lse, out_norm_weight, rest[kLogits], rest[kRinv], option...);
+          },
+          options.as_tuple());
       result = std::move(d_sources);
       result.push_back(d_query);
       result.push_back(norm_weight ? d_norm : at::Tensor());
@@ -119,7 +136,7 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
       result.push_back(prefix_lse ? d_prefix_lse : at::Tensor());
       result.push_back(out_norm_weight ? d_out_norm : at::Tensor());
     }
-    result.emplace_back();  // eps
+    result.emplace_back();  // the options
     return result;
   }
 
@@ -128,22 +145,26 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction> {
                                                          const std::vector<at::Tensor>& sources,
                                                          const at::Tensor& query, const OptTensor& norm_weight,
                                                          const OptTensor& prefix_out, const OptTensor& prefix_lse,
-                                                         const OptTensor& out_norm_weight, double eps) {
+                                                         const OptTensor& out_norm_weight, const ReadOptions& options) {
     static const auto op = find_op<DifferentiableBwdSignature>("attnres::depth_attn_bwd_differentiable");
     TORCH_CHECK(op.hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd),
                 "attnres::depth_attn_fwd: a backward with create_graph=True (double backward) needs "
                 "attnres::depth_attn_bwd_differentiable, which `import attnres_kernels` registers in Python; "
                 "it is not registered in this process");
-    return op.call(present(grad_out), present(grad_lse), present(grad_logits), sources, query, norm_weight, prefix_out,
-                   prefix_lse, out_norm_weight, eps);
+    return std::apply(
+        [&](auto... option) {
+          return op.call(present(grad_out), present(grad_lse), present(grad_logits), sources, query, norm_weight,
+                         prefix_out, prefix_lse, out_norm_weight, option...);
+        },
+        options.as_tuple());
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_autograd(
     at::TensorList sources, const at::Tensor& query, const OptTensor& norm_weight, const OptTensor& prefix_out,
-    const OptTensor& prefix_lse, const OptTensor& out_norm_weight, double eps) {
-  variable_list outputs =
-      DepthAttnFunction::apply(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+    const OptTensor& prefix_lse, const OptTensor& out_norm_weight, ATTNRES_READ_OPTIONS_PARAMS) {
+  variable_list outputs = DepthAttnFunction::apply(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight,
+                                                   ATTNRES_READ_OPTIONS);
   return {outputs[0], outputs[1], outputs[2], outputs[3]};
 }
 

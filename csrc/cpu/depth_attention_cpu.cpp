@@ -749,10 +749,11 @@ constexpr int64_t kPipelineBlockRows = 256;
 // buffer.
 template <typename acc_t, typename src_t>
 void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::Tensor& h_a_t,
-                         const at::Tensor& lse_a_t, const at::Tensor& g_t, double eps_d, at::Tensor& out_t,
-                         at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
+                         const at::Tensor& lse_a_t, const at::Tensor& g_t, const ReadOptions& options,
+                         at::Tensor& out_t, at::Tensor& lse_t, at::Tensor& logits_t, at::Tensor& rinv_t) {
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
-  const acc_t eps = static_cast<acc_t>(eps_d);
+  const acc_t eps = static_cast<acc_t>(options.eps), out_eps = static_cast<acc_t>(options.out_norm_eps);
+  const bool normalize_values = options.normalize_values;
   const ReadRows rows = read_rows(in, h_a_t);
   const RowSlots slots = row_slots<src_t>(rows.src, D);
   const OutRows out = out_rows(out_t, D);
@@ -792,7 +793,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   // h (row p of site q's output) normalized by the fused output norm and stored.
   auto write_row = [&](acc_t* h, int64_t q, int64_t p, acc_t* tmp) {
     if (g != nullptr) {
-      const acc_t rstd = acc_t(1) / std::sqrt(dot(h, h, D) / static_cast<acc_t>(D) + eps);
+      const acc_t rstd = acc_t(1) / std::sqrt(dot(h, h, D) / static_cast<acc_t>(D) + out_eps);
       at::vec::map2<acc_t>([rstd](auto x, auto w) { return x * w * decltype(x)(rstd); }, h, h, g + q * D, D);
     }
     store_row(h, out, q * M + p, D, stream, tmp);
@@ -836,6 +837,9 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
               s[i] = logits[i * M + p] = r * dt[i];
             }
             lse[p] = softmax_weights(s.data(), 1, N, lse_a != nullptr ? lse_a + p : nullptr, alpha.data(), &alpha_a);
+            if (normalize_values) {  // the values are r_i v_i: pass B weighs v_i by α_i r_i
+              for (int64_t i = 0; i < N; ++i) alpha[i] *= rinv[i * M + p];
+            }
             std::swap(cur, next);
           }
         }
@@ -885,6 +889,9 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
             acc_t alpha_a;
             const acc_t* lse_a_q = lse_a != nullptr ? lse_a + q * M + p : nullptr;
             lse[q * M + p] = softmax_weights(s.data() + (k * Q + q) * N, 1, N, lse_a_q, alpha.data(), &alpha_a);
+            if (normalize_values) {
+              for (int64_t i = 0; i < N; ++i) alpha[i] *= rinv[i * M + p];
+            }
             const acc_t* ha = rows.h_a ? load_row(rows.h_a, q * M + p, habuf.data(), D) : nullptr;
             if (stream_sums) {
               src_t* out_row = reinterpret_cast<src_t*>(out.data + (q * M + p) * out.row_bytes);
@@ -911,11 +918,12 @@ template <typename acc_t>
 void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at::Tensor& dlse_t,
                          const at::Tensor& dlogits_t, const at::Tensor& u_t, const at::Tensor& h_a_t,
                          const at::Tensor& lse_a_t, const at::Tensor& g_t, const at::Tensor& logits_t,
-                         const at::Tensor& rinv_t, double eps_d, std::vector<at::Tensor>& dsrc_t, at::Tensor& du_t,
-                         at::Tensor& dh_a_t, at::Tensor& dlse_a_t, at::Tensor& dg_t) {
+                         const at::Tensor& rinv_t, const ReadOptions& options, std::vector<at::Tensor>& dsrc_t,
+                         at::Tensor& du_t, at::Tensor& dh_a_t, at::Tensor& dlse_a_t, at::Tensor& dg_t) {
   using Vec = Vectorized<acc_t>;
   const int64_t M = in.num_rows, D = in.dim, N = static_cast<int64_t>(in.rows.size()), Q = u_t.size(0);
-  const acc_t eps = static_cast<acc_t>(eps_d);
+  const acc_t out_eps = static_cast<acc_t>(options.out_norm_eps);
+  const bool normalize_values = options.normalize_values;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
   const ReadRows rows = read_rows(in, h_a_t);
   const RowSlots slots = row_slots<acc_t>(rows.src, D);
@@ -951,9 +959,13 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
     // v: the row of every source as acc_t (converted once per row into rowbuf
     // when needed); do_[q]: gradient w.r.t. the un-normalized read h_q; hbuf:
-    // recomputed h_q (out-norm only); alpha/dp: softmax weights and <do_q, v_i>.
+    // recomputed h_q (out-norm only); alpha/dp: softmax weights and the
+    // gradient of α_qi (<do_q, value_i>); weight: α_qi, or α_qi r_i for
+    // normalised values (the factor of v_i in h_q).
     std::vector<acc_t> rowbuf(slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D), dvbuf(D), tmp(D);
     std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N);
+    std::vector<acc_t> scaled_alpha(normalize_values ? Q * N : 0);
+    const acc_t* weight = normalize_values ? scaled_alpha.data() : alpha.data();
     std::vector<const acc_t*> v(N);
     for (int64_t c; chunks.next(c);) {
       double* du_c = du_parts + c * Q * D;
@@ -971,14 +983,17 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
                           alpha_a.data() + q);
           const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
           std::copy(dyq, dyq + D, do_.data() + q * D);
+          for (int64_t i = 0; normalize_values && i < N; ++i) {
+            scaled_alpha[q * N + i] = alpha[q * N + i] * rinv[i * M + p];
+          }
         }
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
           for (int64_t q = 0; q < Q; ++q) {
             acc_t* hq = hbuf.data() + q * D;
             const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
-            weighted_sum(v.data(), alpha.data() + q * N, N, ha, alpha_a[q], D, hq);
-            const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + eps);
+            weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
+            const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + out_eps);
             acc_t* dq = do_.data() + q * D;  // holds dy_q on entry
             accumulate_product(dg_c + q * D, rstd, dq, hq, D);
             at::vec::map2<acc_t>([](auto dyv, auto gv) { return dyv * gv; }, dq, dq, g + q * D, D);
@@ -988,11 +1003,13 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
                                  dq, dq, hq, D);
           }
         }
-        // Pass 1: dp_qi = <do_q, v_i>, delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
+        // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
+        // values), delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
         for (int64_t i = 0; i < N; ++i) {
+          const acc_t value_scale = normalize_values ? rinv[i * M + p] : acc_t(1);
           for (int64_t q = 0; q < Q; ++q) {
-            dp[q * N + i] = dot(do_.data() + q * D, v[i], D);
+            dp[q * N + i] = dot(do_.data() + q * D, v[i], D) * value_scale;
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
         }
@@ -1005,6 +1022,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         // Pass 2: ds = α (dp - delta + dlse) + dlogits; c1 = ds r;
         // dv_i = Σ_q α_qi do_q + c1_qi u_q - (Σ_q ds_qi s_qi) r_i^2 v_i / D;  du_q += Σ_i c1_qi v_i.
+        // Normalised values add their own norm's gradient: dv_i = Σ_q α_qi r_i do_q + c1_qi u_q
+        // - (Σ_q ds_qi s_qi + α_qi dp_qi) r_i^2 v_i / D.
         for (int64_t i = 0; i < N; ++i) {
           const acc_t r = rinv[i * M + p];
           acc_t c2 = 0;
@@ -1013,7 +1032,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             acc_t ds = alpha[qi] * (dp[qi] - delta[q] + (dlse != nullptr ? dlse[q * M + p] : acc_t(0)));
             if (dlogits != nullptr) ds += dlogits[qi * M + p];
             c1[qi] = ds * r;
-            c2 += ds * logits[qi * M + p];
+            c2 += ds * logits[qi * M + p] + (normalize_values ? alpha[qi] * dp[qi] : acc_t(0));
           }
           c2 *= r * r * inv_d;
           const acc_t* vi = v[i];
@@ -1024,14 +1043,14 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             const Vec vv = Vec::loadu(vi + d);
             Vec dv = vv * Vec(-c2);
             for (int64_t q = 0; q < Q; ++q) {
-              dv = at::vec::fmadd(Vec(alpha[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
+              dv = at::vec::fmadd(Vec(weight[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
               dv = at::vec::fmadd(Vec(c1[q * N + i]), Vec::loadu(u + q * D + d), dv);
             }
             dv.store(dv_row + d);
           }
           for (; d < D; ++d) {
             acc_t dv = -c2 * vi[d];
-            for (int64_t q = 0; q < Q; ++q) dv += alpha[q * N + i] * do_[q * D + d] + c1[q * N + i] * u[q * D + d];
+            for (int64_t q = 0; q < Q; ++q) dv += weight[q * N + i] * do_[q * D + d] + c1[q * N + i] * u[q * D + d];
             dv_row[d] = dv;
           }
           store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
@@ -1078,7 +1097,8 @@ template <typename acc_t>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads_cpu(const at::Tensor& du_t, const at::Tensor& dg_t,
                                                                     const at::Tensor& query,
                                                                     const c10::optional<at::Tensor>& norm_weight,
-                                                                    const c10::optional<at::Tensor>& out_norm_weight) {
+                                                                    const c10::optional<at::Tensor>& out_norm_weight,
+                                                                    double scale) {
   const int64_t Q = du_t.size(0), D = du_t.size(1);
   const auto acc = du_t.scalar_type();
   // A [D] or [Q, D] parameter as contiguous acc_t values, read at (q, j).
@@ -1110,12 +1130,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads_cpu(const at::Te
     }
     return out.to(param.scalar_type());
   };
+  // du is the gradient of u = scale * query ⊙ norm_weight.
   const acc_t* du = du_t.const_data_ptr<acc_t>();
+  const acc_t sc = static_cast<acc_t>(scale);
   const Values w = values(query), gamma = values(norm_weight);
   const at::Tensor empty = at::empty({0}, du_t.options());
-  at::Tensor d_query = grad(query, [&](int64_t q, int64_t j) { return du[q * D + j] * gamma(q, j); });
+  at::Tensor d_query = grad(query, [&](int64_t q, int64_t j) { return du[q * D + j] * sc * gamma(q, j); });
   at::Tensor d_norm = norm_weight.has_value()
-                          ? grad(*norm_weight, [&](int64_t q, int64_t j) { return du[q * D + j] * w(q, j); })
+                          ? grad(*norm_weight, [&](int64_t q, int64_t j) { return du[q * D + j] * sc * w(q, j); })
                           : empty;
   at::Tensor d_g = empty;
   if (out_norm_weight.has_value()) {
@@ -1130,11 +1152,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> site_param_grads_cpu(const at::Te
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
-  SourceRows in = check_sources(sources);
-  at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+    const c10::optional<at::Tensor>& out_norm_weight, ATTNRES_READ_OPTIONS_PARAMS) {
+  const CheckedRead read =
+      check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, ATTNRES_READ_OPTIONS);
+  const SourceRows& in = read.in;
+  const SiteParams& site = read.site;
   const auto acc = in.acc_dtype;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto opts = in.rows[0].options();
@@ -1145,14 +1167,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
   at::Tensor logits = at::empty(shape_with(qn, in.lead_shape), opts.dtype(acc));
   at::Tensor rinv = at::empty(shape_with({n}, in.lead_shape), opts.dtype(acc));
   const auto src_dtype = in.uniform_dtype() ? in.rows[0].scalar_type() : acc;
+  auto run = [&](auto acc_zero, auto src_zero) {
+    depth_attn_fwd_impl<decltype(acc_zero), decltype(src_zero)>(in, site.u, read.h_a, read.lse_a, site.g, read.options,
+                                                                out, lse, logits, rinv);
+  };
   if (acc == at::kDouble) {
-    depth_attn_fwd_impl<double, double>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    run(double(), double());
   } else if (src_dtype == at::kBFloat16) {
-    depth_attn_fwd_impl<float, at::BFloat16>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    run(float(), at::BFloat16());
   } else if (src_dtype == at::kHalf) {
-    depth_attn_fwd_impl<float, at::Half>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    run(float(), at::Half());
   } else {
-    depth_attn_fwd_impl<float, float>(in, site.u, h_a, lse_a, site.g, eps, out, lse, logits, rinv);
+    run(float(), float());
   }
   return {out, lse, logits, rinv};
 }
@@ -1161,11 +1187,13 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
-  SourceRows in = check_sources(sources);
-  at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv,
+    ATTNRES_READ_OPTIONS_PARAMS) {
+  const CheckedRead read =
+      check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, ATTNRES_READ_OPTIONS);
+  const SourceRows& in = read.in;
+  const SiteParams& site = read.site;
+  const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
@@ -1194,14 +1222,17 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   at::Tensor dlse_a = h_a.defined() ? at::empty_like(lse_a) : at::empty({0}, site.u.options());
   at::Tensor dg = site.g.defined() ? at::empty_like(site.g) : at::Tensor();
   at::Tensor d_query, d_norm, d_g;
+  auto run = [&](auto acc_zero) {
+    using acc_t = decltype(acc_zero);
+    depth_attn_bwd_impl<acc_t>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, read.options, dsrc,
+                               du, dh_a, dlse_a, dg);
+    std::tie(d_query, d_norm, d_g) =
+        site_param_grads_cpu<acc_t>(du, dg, query, norm_weight, out_norm_weight, read.options.scale);
+  };
   if (acc == at::kDouble) {
-    depth_attn_bwd_impl<double>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du,
-                                dh_a, dlse_a, dg);
-    std::tie(d_query, d_norm, d_g) = site_param_grads_cpu<double>(du, dg, query, norm_weight, out_norm_weight);
+    run(double());
   } else {
-    depth_attn_bwd_impl<float>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, eps, dsrc, du, dh_a,
-                               dlse_a, dg);
-    std::tie(d_query, d_norm, d_g) = site_param_grads_cpu<float>(du, dg, query, norm_weight, out_norm_weight);
+    run(float());
   }
   return {dsrc, d_query, d_norm, dh_a, dlse_a, d_g};
 }

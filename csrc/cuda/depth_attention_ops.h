@@ -75,11 +75,15 @@ template <typename Runtime>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
     Runtime& rt, at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
-  SourceRows in = check_sources(sources);
-  at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+    const c10::optional<at::Tensor>& out_norm_weight, const ReadOptions& options) {
+  const CheckedRead read = check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, options);
+  const SourceRows& in = read.in;
+  const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
+  const SiteParams& site = read.site;
+  TORCH_CHECK(!options.normalize_values, "depth attention (cuda): normalize_values is not implemented yet");
+  TORCH_CHECK(!site.g.defined() || options.out_norm_eps == options.eps,
+              "depth attention (cuda): an out_norm_eps other than eps is not implemented yet");
+  const double eps = options.eps;
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto opts = in.rows[0].options();
   const auto acc = in.acc_dtype;
@@ -144,11 +148,15 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
     const c10::optional<at::Tensor>& grad_logits, at::TensorList sources, const at::Tensor& query,
     const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& prefix_out,
     const c10::optional<at::Tensor>& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight,
-    const at::Tensor& logits, const at::Tensor& rinv, double eps) {
-  SourceRows in = check_sources(sources);
-  at::Tensor h_a, lse_a;
-  check_prefix(prefix_out, prefix_lse, site_dims(query), in, h_a, lse_a);
-  const SiteParams site = check_site_params(query, norm_weight, out_norm_weight, in);
+    const at::Tensor& logits, const at::Tensor& rinv, const ReadOptions& options) {
+  const CheckedRead read = check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, options);
+  const SourceRows& in = read.in;
+  const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
+  const SiteParams& site = read.site;
+  TORCH_CHECK(!options.normalize_values, "depth attention (cuda): normalize_values is not implemented yet");
+  TORCH_CHECK(!site.g.defined() || options.out_norm_eps == options.eps,
+              "depth attention (cuda): an out_norm_eps other than eps is not implemented yet");
+  const double eps = options.eps;
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
@@ -251,7 +259,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
                                    dg.defined() ? dg.mutable_data_ptr<acc_t>() : nullptr);
     });
   }
-  auto [d_query, d_norm, d_g] = site_param_grads(du, dg, query, norm_weight, out_norm_weight);
+  auto [d_query, d_norm, d_g] = site_param_grads(du, dg, query, norm_weight, out_norm_weight, options.scale);
   return {grad_sources, d_query, d_norm, dh_a, dlse_a, d_g};
 }
 

@@ -51,21 +51,22 @@ struct CudaRuntime {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cuda(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, ATTNRES_READ_OPTIONS_PARAMS) {
   const c10::cuda::CUDAGuard guard(query.device());
   CudaRuntime rt;
-  return depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+  return depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, ATTNRES_READ_OPTIONS);
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd_cuda(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv,
+    ATTNRES_READ_OPTIONS_PARAMS) {
   const c10::cuda::CUDAGuard guard(query.device());
   CudaRuntime rt;
   return depth_attn_bwd(rt, grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse,
-                        out_norm_weight, logits, rinv, eps);
+                        out_norm_weight, logits, rinv, ATTNRES_READ_OPTIONS);
 }
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

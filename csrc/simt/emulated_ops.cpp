@@ -21,6 +21,7 @@
 #include "../cuda/attention_ops.h"
 #include "../cuda/block_step_ops.h"
 #include "../cuda/depth_attention_ops.h"
+#include "../schemas.h"
 #include "simt.h"
 
 namespace attnres::emulated {
@@ -56,19 +57,21 @@ struct Runtime {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, ATTNRES_READ_OPTIONS_PARAMS) {
   Runtime rt;
-  return cuda::depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+  return cuda::depth_attn_fwd(rt, sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight,
+                              ATTNRES_READ_OPTIONS);
 }
 
 std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_bwd(
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_lse, const c10::optional<at::Tensor>& grad_logits,
     at::TensorList sources, const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
     const c10::optional<at::Tensor>& prefix_out, const c10::optional<at::Tensor>& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logits, const at::Tensor& rinv,
+    ATTNRES_READ_OPTIONS_PARAMS) {
   Runtime rt;
   return cuda::depth_attn_bwd(rt, grad_out, grad_lse, grad_logits, sources, query, norm_weight, prefix_out, prefix_lse,
-                              out_norm_weight, logits, rinv, eps);
+                              out_norm_weight, logits, rinv, ATTNRES_READ_OPTIONS);
 }
 
 std::tuple<at::Tensor, at::Tensor> attn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -215,30 +218,14 @@ std::string launch_log() {
 }
 
 TORCH_LIBRARY(attnres_emu, m) {
-  // The schemas of attnres::depth_attn_fwd / _bwd (csrc/bindings.cpp).
-  m.def(
-      "depth_attn_fwd(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
-      "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "depth_attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor? grad_logits, Tensor[] sources, Tensor query, "
-      "Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, Tensor? out_norm_weight, Tensor logits, "
-      "Tensor rinv, float eps) -> (Tensor[], Tensor, Tensor, Tensor, Tensor, Tensor)");
-  // The schemas of attnres::attn_fwd / _bwd (csrc/bindings.cpp).
-  m.def(
-      "attn_fwd(Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, bool causal, float scale) "
-      "-> (Tensor out, Tensor lse)");
-  m.def(
-      "attn_bwd(Tensor grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor? key_padding_mask, "
-      "Tensor out, Tensor lse, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The schemas of the attnres ops (csrc/schemas.h).
+  m.def(schema::kDepthAttnFwd);
+  m.def(schema::kDepthAttnBwd);
+  m.def(schema::kAttnFwd);
+  m.def(schema::kAttnBwd);
+  m.def(schema::kBlockStepFwd);
+  m.def(schema::kBlockStepBwd);
   m.def("wmma_matmul(Tensor a, Tensor b, Tensor c, bool b_transposed, int misuse) -> Tensor");
-  // The schemas of attnres::block_step_fwd / _bwd.
-  m.def(
-      "block_step_fwd(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, "
-      "Tensor prefix_lse, Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
-      "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
-      "Tensor logit, Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("launch_log() -> str", &launch_log);
   m.def("round_to(Tensor x, ScalarType dtype) -> Tensor");
 }
