@@ -1,7 +1,9 @@
 """Building blocks for putting AttnRes into your own model.
 
 - :class:`DepthAttentionSite`: one depth read with its own pseudo-query
-  (zeros) and key-norm weight (ones), optionally fusing the sublayer's PreNorm.
+  (zeros) and key-norm weight (ones), optionally fusing the sublayer's PreNorm;
+  options for the released variants (several queries, unweighted key norm,
+  ``scale``, normalised values, ``out_dtype``: DESIGN.md §2.7).
 - :class:`FullAttnResState` / :class:`BlockAttnResState`: the depth state that
   crosses a layer boundary (every sublayer output for Full; committed blocks
   plus the running partial sum for Block). They are named tuples of tensors
@@ -30,38 +32,97 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from .._validation import check_read_options
 
 
 class DepthAttentionSite(nn.Module):
-    """A depth-attention read over a list of sources ``[..., D]``.
+    """A depth-attention read (DESIGN.md §2.1, §2.7) as a module, for models and for people
+    writing their own layers.
 
-    Parameters ``query`` (``w``, zeros: at init the read is the mean of its
-    sources) and ``norm_weight`` (``γ``, ones); names match the reference
-    :class:`attnres_kernels.reference.models.DepthSite`.
+    Parameters: ``query`` (``w``, zeros: at init the read is the mean of its sources),
+    ``[D]``, or ``[num_queries, D]`` for several queries over the same sources (Inkling2's
+    full-attention layers read 3: q, k and v inputs); ``norm_weight`` (``γ``, ones), or
+    None with ``key_norm_weight=False`` (an unweighted key norm). Names match the reference
+    :class:`attnres_kernels.reference.models.DepthSite` for the defaults, and Inkling2's
+    ``Inkling2BlockAttentionResidual.query`` for the unweighted form.
+
+    The read's options (see :func:`attnres_kernels.depth_attention`): ``scale`` multiplies the
+    logits, ``normalize_values`` makes the values the normalised sources, ``eps`` is the key
+    norm's epsilon, ``out_dtype`` the output dtype. The paper's read is the default; Inkling2's
+    is ``DepthAttentionSite(d, num_queries=q, key_norm_weight=False, scale=d**-0.5,
+    normalize_values=True, out_dtype=torch.float32)``.
     """
 
-    def __init__(self, d_model: int, eps: float = 1e-6, backend: str = "auto"):
+    def __init__(
+        self,
+        d_model: int,
+        eps: float = 1e-6,
+        backend: str = "auto",
+        *,
+        num_queries: int | None = None,
+        key_norm_weight: bool = True,
+        scale: float = 1.0,
+        normalize_values: bool = False,
+        out_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         if backend not in ops.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {ops.BACKENDS}")
+        if num_queries is not None and not (isinstance(num_queries, int) and num_queries >= 1):
+            raise ValueError(f"`num_queries` must be a positive int or None, got {num_queries!r}")
+        check_read_options(eps, scale=scale, normalize_values=normalize_values, out_dtype=out_dtype)
         self.eps, self.backend = eps, backend
-        self.query = nn.Parameter(torch.zeros(d_model))
-        self.norm_weight = nn.Parameter(torch.ones(d_model))
+        self.scale, self.normalize_values, self.out_dtype = scale, normalize_values, out_dtype
+        shape = (d_model,) if num_queries is None else (num_queries, d_model)
+        self.query = nn.Parameter(torch.zeros(shape))
+        self.norm_weight = nn.Parameter(torch.ones(shape)) if key_norm_weight else None
 
-    def forward(self, sources: list[Tensor], *, out_norm_weight: Tensor | None = None, return_weights: bool = False):
-        """``h`` (or ``rmsnorm(h) * out_norm_weight``), plus the weights ``[N, ...]`` if asked."""
-        return ops.depth_attention(
+    def forward(
+        self,
+        sources,
+        partial: Tensor | None = None,
+        *,
+        out_norm_weight: Tensor | None = None,
+        out_norm_eps: float | None = None,
+        return_weights: bool = False,
+    ):
+        """The read over ``sources`` (a list of ``[..., D]`` tensors, or the blocks stacked as one
+        ``[..., n, D]`` tensor, Inkling2's ``block_states``, read in place through its per-block
+        views), followed by ``partial`` when given.
+
+        Returns ``h`` (or ``rmsnorm(h, out_norm_eps) * out_norm_weight``) for a ``[D]`` query, a
+        tuple of one output per query for ``num_queries``; with ``return_weights`` also the
+        weights ``[N, ...]`` (``[Q, N, ...]``)."""
+        sources = list(sources.unbind(-2) if isinstance(sources, Tensor) else sources)
+        if partial is not None:
+            sources.append(partial)
+        result = ops.depth_attention(
             self.query,
             sources,
             self.norm_weight,
+            scale=self.scale,
+            normalize_values=self.normalize_values,
             eps=self.eps,
             out_norm_weight=out_norm_weight,
+            out_norm_eps=out_norm_eps,
+            out_dtype=self.out_dtype,
             return_weights=return_weights,
             backend=self.backend,
         )
+        if self.query.dim() == 1:
+            return result
+        if return_weights:
+            out, weights = result
+            return out.unbind(0), weights
+        return result.unbind(0)
 
     def extra_repr(self) -> str:
-        return f"d_model={self.query.shape[0]}, eps={self.eps}, backend={self.backend!r}"
+        num_queries = None if self.query.dim() == 1 else self.query.shape[0]
+        return (
+            f"d_model={self.query.shape[-1]}, num_queries={num_queries}, "
+            f"key_norm_weight={self.norm_weight is not None}, scale={self.scale}, "
+            f"normalize_values={self.normalize_values}, eps={self.eps}, backend={self.backend!r}"
+        )
 
 
 class FullAttnResState(NamedTuple):
