@@ -115,6 +115,41 @@ def bench_read(n, rows, dim, dtype, compiled_reference):
     return result
 
 
+# Backward-bandwidth variants of the target case: (sites Q, fused output norm).
+BACKWARD_VARIANTS = [(1, False), (1, True), (3, False)]
+
+
+def bench_backward(n, rows, dim, dtype):
+    """The backward alone (``torch.autograd.grad`` on a saved forward) of the variants, each interleaved
+    call by call with a ``copy_`` of its floor's bytes into a reused buffer: the N sources and the Q
+    output gradients read, the N source gradients written. Returns one dict per variant."""
+    results = []
+    for q, out_norm in BACKWARD_VARIANTS:
+        sources, query, norm_weight = make_read_inputs(n, rows, dim, dtype, requires_grad=True)
+        if q > 1:
+            query = (0.05 * torch.randn(q, dim)).requires_grad_()
+            norm_weight = (1 + 0.1 * torch.randn(q, dim)).requires_grad_()
+        g_out = torch.ones(dim, requires_grad=True) if out_norm else None
+        out = ak.depth_attention(query, sources, norm_weight, out_norm_weight=g_out, backend="cpu")
+        grad_out = torch.randn(out.shape).to(dtype)
+        leaves = [*sources, query, norm_weight] + ([g_out] if out_norm else [])
+        floor = (2 * n + q) * rows * dim * dtype.itemsize
+        copy, copy_bytes = tensor_copy(rows, dim, dtype, (2 * n + q + 1) // 2)
+        backward = lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+        times = interleaved({"copy": copy, "backward": backward}, min_rounds=8, min_seconds=1.0)
+        results.append(
+            dict(
+                q=q,
+                out_norm=out_norm,
+                floor_bytes=floor,
+                copy_bytes=copy_bytes,
+                **{name: spread(t) for name, t in times.items()},
+            )
+        )
+
+    return results
+
+
 SMALL_READS = [(4, (10, 20), 128, False), (1, (10, 20), 128, True), (7, (10, 20), 128, True), (13, (10, 20), 128, True)]
 
 
@@ -232,7 +267,7 @@ def bench_models():
     return rows
 
 
-def read_report_lines(reads, small_reads):
+def read_report_lines(reads, small_reads, backward=None):
     """The depth-read sections of the report."""
     lines = [
         "## Depth read: forward bandwidth",
@@ -290,6 +325,27 @@ def read_report_lines(reads, small_reads):
         )
     if skipped:
         lines += ["", "Not run (sources and gradients would not fit in memory): " + "; ".join(skipped) + "."]
+    if backward:
+        lines += [
+            "",
+            "## Depth read: backward bandwidth",
+            "",
+            "The backward alone (`torch.autograd.grad` on a saved forward, outputs reused), timed call by call in "
+            "turn with a `copy_` into a reused buffer of as many bytes as its floor: the N sources and the Q "
+            "output gradients read, the N source gradients written. Milliseconds: median [min–max].",
+            "",
+            "| dtype | N | rows | D | sites | out norm | backward ms [min–max] | GB/s | copy_ GB/s | % of copy_ |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for (dt, n, rows, dim), variants in backward.items():
+            for v in variants:
+                b, c = v["backward"], v["copy"]
+                gbps, copy_gbps = v["floor_bytes"] / b["median"] / 1e9, v["copy_bytes"] / c["median"] / 1e9
+                lines.append(
+                    f"| {dt} | {n} | {rows} | {dim} | {v['q']} | {'yes' if v['out_norm'] else 'no'} "
+                    f"| {1e3 * b['median']:.1f} [{1e3 * b['min']:.1f}–{1e3 * b['max']:.1f}] | {gbps:.1f} "
+                    f"| {copy_gbps:.1f} | {100 * gbps / copy_gbps:.0f}% |"
+                )
     if small_reads:
         keys = [k for k in small_reads[0] if k != "read"]
         lines += [
@@ -310,7 +366,7 @@ def read_report_lines(reads, small_reads):
     return lines
 
 
-def write_report(path, reads, small_reads, models, meta):
+def write_report(path, reads, small_reads, models, meta, backward=None):
     lines = [
         "# CPU benchmark: depth attention and AttnRes training steps",
         "",
@@ -319,7 +375,7 @@ def write_report(path, reads, small_reads, models, meta):
         f"{meta['load_before']} before and {meta['load_after']} after the run. "
         "Shared machine: compare ratios within this run, not absolute times across runs.",
         "",
-        *read_report_lines(reads, small_reads),
+        *read_report_lines(reads, small_reads, backward),
     ]
     if models:
         lines += [
@@ -380,14 +436,20 @@ def main(argv=None):
     reads = {}
     for dt, n, rows, dim in tqdm(cases, desc="depth read", unit="case"):
         reads[(dt, n, rows, dim)] = bench_read(n, rows, dim, DTYPES[dt], compiled_reference)
+    backward = {(dt, *TARGET[1:]): bench_backward(*TARGET[1:], DTYPES[dt]) for dt in ("fp32", "bf16")}
     small_reads = bench_small_reads()
     models = [] if args.quick or args.reads_only else bench_models()
     meta["load_after"] = load_average()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    write_report(args.out, reads, small_reads, models, meta)
+    write_report(args.out, reads, small_reads, models, meta, backward)
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         reads_json = {"/".join(map(str, k)): v for k, v in reads.items()}
-        json.dump(dict(meta=meta, reads=reads_json, small_reads=small_reads, models=models), f, indent=1)
+        backward_json = {"/".join(map(str, k)): v for k, v in backward.items()}
+        json.dump(
+            dict(meta=meta, reads=reads_json, backward=backward_json, small_reads=small_reads, models=models),
+            f,
+            indent=1,
+        )
     print(open(args.out).read())
 
 
