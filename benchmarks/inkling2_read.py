@@ -110,10 +110,12 @@ def markdown(args, rows: list, load: tuple) -> str:
         "",
         f"`python benchmarks/inkling2_read.py` — T = {args.tokens} tokens, D = {args.dim}, {args.blocks} committed "
         f"bf16 blocks + the partial sum, fp32 output; forward + backward, {args.rounds} interleaved rounds, "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, {platform.processor() or platform.machine()}. "
+        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"{platform.processor() or platform.machine()}. "
         f"Load average before / after: {load[0]:.2f} / {load[1]:.2f}.",
         "",
-        "| Q | partial | unpatched ms, median [min, max] | patched ms | speedup | saved MiB unpatched | patched | ratio |",
+        "| Q | partial | unpatched ms, median [min, max] | patched ms | speedup "
+        "| saved MiB unpatched | patched | ratio |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

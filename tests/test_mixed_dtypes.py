@@ -166,7 +166,7 @@ def test_mixed_strided_sources_and_a_gradient_through_lse_only(backend):
 @pytest.mark.parametrize("backend", FUSED)
 def test_opcheck_mixed_dtypes(backend):
     """The fake kernel's promoted dtypes agree with the kernel's (opcheck compares them)."""
-    ns = torch.ops.attnres if backend == "cpu" else torch.ops.attnres_triton
+    ns = torch.ops.attnres if backend == "cpu" else ak.ops._dispatch.triton_ops()
     sources = [t.requires_grad_() for t in mixed_sources([torch.float32, torch.bfloat16, torch.float16], (3, 2), 8)]
     w = torch.randn(2, 8, requires_grad=True)
     g = torch.rand(8, requires_grad=True)

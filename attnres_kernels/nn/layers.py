@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .._validation import ReadOptions
-from ..ops import _native
+from ..ops import _dispatch, _native
 from ..ops.block_step import step_unchecked
 from ..ops.depth import read_unchecked
 from ..reference import models as ref
@@ -83,9 +83,7 @@ def fused_step_backend(depth: str) -> str | None:
 
                 defined = emulation.unavailable_reason("block_step_fwd") is None
         elif depth == "triton":
-            from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)
-
-            defined = hasattr(torch.ops.attnres_triton, "block_step_fwd")
+            defined = hasattr(_dispatch.triton_ops(), "block_step_fwd")
         else:
             defined = True
         _FUSED_STEP[depth] = depth if defined else None

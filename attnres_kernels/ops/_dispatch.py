@@ -120,6 +120,28 @@ def fused_op(backend: str, name: str, device: torch.device):
         return getattr(torch.ops.attnres_emu, name).default
     if backend in ("cpu", "cuda"):
         return getattr(torch.ops.attnres, name).default
-    from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)
+    return getattr(triton_ops(), name).default
 
-    return getattr(torch.ops.attnres_triton, name).default
+
+_triton_ops = None
+
+
+def triton_ops():
+    """``torch.ops.attnres_triton``: the Triton ops, defined on first use by importing
+    :mod:`attnres_kernels.triton.ops` (which loads Triton), with their fake kernels and
+    autograd registered here, once."""
+    global _triton_ops
+    if _triton_ops is None:
+        from ..triton import ops  # noqa: F401  (defines the attnres_triton ops)
+        from ._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
+
+        namespace = torch.ops.attnres_triton
+        register_depth_attn_ops(
+            "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", namespace.depth_attn_bwd.default
+        )
+        register_attention_ops("attnres_triton::attn_fwd", "attnres_triton::attn_bwd", namespace.attn_bwd.default)
+        register_block_step_ops(
+            "attnres_triton::block_step_fwd", "attnres_triton::block_step_bwd", namespace.block_step_bwd.default
+        )
+        _triton_ops = namespace
+    return _triton_ops

@@ -31,8 +31,7 @@ _triton_defines_attention = None
 def _triton_has_attention() -> bool:
     global _triton_defines_attention
     if _triton_defines_attention is None:
-        from ..triton import ops as triton_ops  # noqa: F401  (defines the attnres_triton ops)
-
+        _dispatch.triton_ops()
         _triton_defines_attention = "attnres_triton::attn_fwd" in torch._C._dispatch_get_all_op_names()
     return _triton_defines_attention
 

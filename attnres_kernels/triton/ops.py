@@ -2,10 +2,11 @@
 (depth read), ``attnres_triton::attn_{fwd,bwd}`` (attention) and
 ``attnres_triton::block_step_{fwd,bwd}`` (the fused Block step).
 
-They take the same schemas as the C++ ops (see
-:mod:`attnres_kernels.ops._registration`, which also supplies their fake
-kernels and autograd) and run on whatever device the Triton launch targets:
-CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+They take the same schemas as the C++ ops and run on whatever device the Triton
+launch targets: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Their
+fake kernels and autograd are the op layer's business
+(:func:`attnres_kernels.ops._dispatch.triton_ops` registers them): kernels do not
+import the layer above them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from .._validation import READ_OPTIONS_SCHEMA
-from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
 from . import attention_launch, block_step, launch
 
 FWD_SCHEMA = (
@@ -47,13 +47,3 @@ for _device in ("CPU", "CUDA"):
     _lib.impl("attn_bwd", attention_launch.attn_bwd, _device)
     _lib.impl("block_step_fwd", block_step.block_step_fwd, _device)
     _lib.impl("block_step_bwd", block_step.block_step_bwd, _device)
-
-register_depth_attn_ops(
-    "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", torch.ops.attnres_triton.depth_attn_bwd.default
-)
-register_attention_ops(
-    "attnres_triton::attn_fwd", "attnres_triton::attn_bwd", torch.ops.attnres_triton.attn_bwd.default
-)
-register_block_step_ops(
-    "attnres_triton::block_step_fwd", "attnres_triton::block_step_bwd", torch.ops.attnres_triton.block_step_bwd.default
-)
