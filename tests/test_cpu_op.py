@@ -99,7 +99,8 @@ def test_build_info_names_the_vector_isa():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, "mixed"])
 @pytest.mark.parametrize("d", [1000, 64, 40])
 @pytest.mark.parametrize(
-    "q,out_norm,merge", [(None, False, False), (None, True, True), (3, True, False), (2, False, True)]
+    "q,out_norm,merge",
+    [(None, False, False), (None, True, True), (3, True, False), (2, False, True), (6, False, False)],
 )
 def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm, merge):
     # 437 rows. One site reading every row in place (q=None, one dtype) takes
@@ -107,7 +108,8 @@ def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm,
     # first and last half sweep; D=1000 and 40 end in a shorter vector step
     # and a scalar tail. Several sites or mixed dtypes take the row tiles:
     # several blocks of several tiles (pass B of each prefetches the next),
-    # the last tile and the last block partial.
+    # the last tile and the last block partial. bf16 rows of several sites
+    # are swept for up to 4 sites at once (6 sites: a group of 4, then 2).
     from test_fused_reads import compare_read
 
     dtypes = MIXED[:4] + MIXED[:4] + [torch.float32] if dtype == "mixed" else [dtype] * 9
@@ -187,6 +189,8 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
         (1400, 1000, 2, True, False),  # rows not aligned: stored; a tail past the last 32 values
         (9000, 64, None, True, True),  # 36-row chunks: du summed in float over 32 rows, then 4
         (300, 96, 3, False, True),
+        (300, 100, 4, True, False),  # the most sites one sweep serves
+        (300, 64, 5, False, False),  # more: the float path
     ],
 )
 def test_bf16_backward_reads_rows_in_place(rows, d, q, out_norm, normalize):

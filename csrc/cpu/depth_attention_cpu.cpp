@@ -266,6 +266,55 @@ inline std::pair<Vectorized<acc_t>, Vectorized<acc_t>> vectors_for_sums(const sr
   }
 }
 
+// Sites that one sweep over bf16 rows serves (their sums in registers: a compile-time count);
+// more sites are taken in groups of at most this many.
+constexpr int64_t kSweepSites = 4;
+
+// Calls fn(std::integral_constant<int, G>{}) with G = count, 1 <= count <= kSweepSites.
+template <typename Fn>
+inline void with_site_count(int64_t count, Fn&& fn) {
+  switch (count) {
+    case 1:
+      return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
+    case 3:
+      return fn(std::integral_constant<int, 3>{});
+    default:
+      return fn(std::integral_constant<int, 4>{});
+  }
+}
+
+// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; y is
+// [G, n], each row split as split_even_odd splits it. (Converting the row to float first and
+// taking G + 1 dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
+template <int G>
+inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, int64_t n, float* dots) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  fVec ss(0.f), acc[G];
+  for (int q = 0; q < G; ++q) acc[q] = fVec(0.f);
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const auto [even, odd] = bf16_even_odd(x + d);
+    ss = at::vec::fmadd(odd, odd, at::vec::fmadd(even, even, ss));
+#pragma GCC unroll 4
+    for (int q = 0; q < G; ++q) {
+      const float* y = y_split + q * n + d;
+      acc[q] = at::vec::fmadd(odd, fVec::loadu(y + W), at::vec::fmadd(even, fVec::loadu(y), acc[q]));
+    }
+  }
+  auto add = [](fVec& a, fVec& b) { return a + b; };
+  float sumsq = at::vec::vec_reduce_all<float>(add, ss);
+  for (int q = 0; q < G; ++q) dots[q] = at::vec::vec_reduce_all<float>(add, acc[q]);
+  for (; d < n; ++d) {
+    const float xd = static_cast<float>(x[d]);
+    sumsq += xd * xd;
+    for (int q = 0; q < G; ++q) dots[q] += xd * y_split[q * n + d];
+  }
+  return sumsq;
+}
+
 // sum(x^2) and <u, x> of one row for one site, in one sweep over x.
 template <typename T>
 inline T sumsq_and_dot_row(const T* x, const T* u, int64_t n, T* dot_out) {
@@ -386,6 +435,43 @@ class LinePrefetcher {
   const char* row_end_ = nullptr;
   bool live_;
 };
+
+// h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n bf16 rows, in one sweep over the rows
+// (each vector of a row loaded once for all the sites); h is [G, dim], in order. `prefetch`
+// steps once per row and vector pair.
+template <int G>
+inline void weighted_sums_bf16(const at::BFloat16* const* x, const float* a, int64_t n, int64_t dim, float* h,
+                               LinePrefetcher& prefetch) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * W <= dim; d += 2 * W) {
+    fVec even_sums[G], odd_sums[G];
+    for (int q = 0; q < G; ++q) even_sums[q] = odd_sums[q] = fVec(0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      prefetch.step();
+      const auto [even, odd] = bf16_even_odd(x[i] + d);
+#pragma GCC unroll 4
+      for (int q = 0; q < G; ++q) {
+        const fVec aq(a[q * n + i]);
+        even_sums[q] = at::vec::fmadd(aq, even, even_sums[q]);
+        odd_sums[q] = at::vec::fmadd(aq, odd, odd_sums[q]);
+      }
+    }
+    for (int q = 0; q < G; ++q) {
+      const auto [lo, hi] = at::vec::interleave2(even_sums[q], odd_sums[q]);
+      lo.store(h + q * dim + d);
+      hi.store(h + q * dim + d + W);
+    }
+  }
+  for (; d < dim; ++d) {
+    for (int q = 0; q < G; ++q) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < n; ++i) sum += a[q * n + i] * static_cast<float>(x[i][d]);
+      h[q * dim + d] = sum;
+    }
+  }
+}
 
 // Stores v at p (aligned to the vector's size) with a non-temporal store where
 // the vector ISA has one.
@@ -765,15 +851,17 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
   acc_t* logits = logits_t.mutable_data_ptr<acc_t>();
   acc_t* rinv = rinv_t.mutable_data_ptr<acc_t>();
 
-  // One bf16 site: u split for bf16_even_odd (the row pipeline).
+  // bf16 rows: u split for bf16_even_odd (one site: the row pipeline; several sites without a
+  // merge prefix: sweeps over the rows for kSweepSites sites at a time, sweep_sites).
   constexpr bool bf16_rows = std::is_same_v<src_t, at::BFloat16>;
-  std::vector<float> u_split(bf16_rows && Q == 1 ? D : 0);
+  const bool sweep_sites = bf16_rows && Q > 1 && !rows.h_a;
+  std::vector<float> u_split(bf16_rows && (Q == 1 || sweep_sites) ? Q * D : 0);
   const acc_t* u_dot = u;  // u in the order of vectors_for_sums
   if constexpr (bf16_rows) {
-    if (Q == 1) {
-      split_even_odd(u, D, u_split.data());
-      u_dot = u_split.data();
+    for (int64_t q = 0; q < static_cast<int64_t>(u_split.size()) / D; ++q) {
+      split_even_odd(u + q * D, D, u_split.data() + q * D);
     }
+    if (Q == 1) u_dot = u_split.data();
   }
   int64_t row_set_bytes = 0;  // one row of every source
   for (const auto& s : rows.src) row_set_bytes += D * static_cast<int64_t>(c10::elementSize(s.dtype));
@@ -857,6 +945,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
     // of rowbuf), s[(k * Q + q) * N + i] its logit for site q.
     std::vector<src_t> rowbuf(tile * slots.size);
     std::vector<acc_t> h(D), habuf(D), vbuf(D), tmp(D), dots(Q), s(tile * Q * N), alpha(N);
+    std::vector<acc_t> site_alpha(sweep_sites ? Q * N : 0), site_h(sweep_sites ? Q * D : 0);
     std::vector<const src_t*> v(tile * N);
     for (int64_t b; blocks.next(b);) {
       const int64_t block_end = std::min(M, (b + 1) * block);
@@ -879,12 +968,45 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
             } else {
               vi = row_of(i, p);
             }
+            if constexpr (bf16_rows) {
+              if (sweep_sites) {  // kSweepSites sites per sweep over the row (in L1 after the first)
+                acc_t ss = 0;
+                for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
+                  with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
+                    const acc_t group_ss =
+                        sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D, dots.data() + q0);
+                    if (q0 == 0) ss = group_ss;
+                  });
+                }
+                keep(i, k, ss);
+                continue;
+              }
+            }
             keep(i, k, sumsq_and_dots(vi, u, Q, D, dots.data(), vbuf.data()));
           }
         }
         LinePrefetcher next_tile(rows.src, p0 + rows_in_tile, std::min(tile, block_end - p0 - rows_in_tile), D);
         for (int64_t k = 0; k < rows_in_tile; ++k) {
           const int64_t p = p0 + k;
+          if constexpr (bf16_rows) {
+            if (sweep_sites) {  // pass B of every site, kSweepSites sites per sweep over the rows
+              for (int64_t q = 0; q < Q; ++q) {
+                acc_t* a = site_alpha.data() + q * N;
+                acc_t unused;
+                lse[q * M + p] =
+                    softmax_weights(s.data() + (k * Q + q) * N, 1, N, static_cast<const acc_t*>(nullptr), a, &unused);
+                for (int64_t i = 0; normalize_values && i < N; ++i) a[i] *= rinv[i * M + p];
+              }
+              for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
+                with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
+                  weighted_sums_bf16<decltype(sites)::value>(v.data() + k * N, site_alpha.data() + q0 * N, N, D,
+                                                             site_h.data() + q0 * D, next_tile);
+                });
+              }
+              for (int64_t q = 0; q < Q; ++q) write_row(site_h.data() + q * D, q, p, tmp.data());
+              continue;
+            }
+          }
           for (int64_t q = 0; q < Q; ++q) {
             acc_t alpha_a;
             const acc_t* lse_a_q = lse_a != nullptr ? lse_a + q * M + p : nullptr;
@@ -914,57 +1036,38 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 
 // ---------------------------------------------------------------- backward
 
-// <x, y> of a bf16 row x and a float row y split as split_even_odd splits it.
-inline float dot_bf16(const at::BFloat16* x, const float* y_split, int64_t n) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t W = fVec::size();
-  fVec acc0(0.f), acc1(0.f);
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    const auto [even, odd] = bf16_even_odd(x + d);
-    acc0 = at::vec::fmadd(even, fVec::loadu(y_split + d), acc0);
-    acc1 = at::vec::fmadd(odd, fVec::loadu(y_split + d + W), acc1);
-  }
-  float sum = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, acc0 + acc1);
-  for (; d < n; ++d) sum += static_cast<float>(x[d]) * y_split[d];
-  return sum;
-}
-
 // The source gradients of one row of bf16 sources, in one sweep over their rows (in cache
 // after the dot products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to bf16 and
 // written to dv[i] (streamed when `stream`: rows aligned to the vector size), and
 // du_q += Σ_i c1_qi v_i. The rows are read through bf16_even_odd, so do, u and du are split
 // as split_even_odd splits them; the results are interleaved back before they are rounded.
-// One site (kOneSite) keeps its du sums in registers over the sources.
+// The G = Q <= kSweepSites sites keep their du sums in registers over the sources.
 // (The float kernel's path converts every row to float first and sums du in a pass of its own:
 // for bf16 that conversion and the extra passes cost more than the memory traffic.)
-template <bool kOneSite>
-inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, int64_t q_count, const float* a, const float* c1,
-                              const float* c2, const float* do_split, const float* u_split, float* du_split,
-                              int64_t dim, at::BFloat16* const* dv, bool stream, LinePrefetcher& prefetch) {
+template <int G>
+inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const float* a, const float* c1, const float* c2,
+                              const float* do_split, const float* u_split, float* du_split, int64_t dim,
+                              at::BFloat16* const* dv, bool stream, LinePrefetcher& prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {
-    fVec du_even(0.f), du_odd(0.f);
+    fVec du_even[G], du_odd[G];
+    for (int q = 0; q < G; ++q) du_even[q] = du_odd[q] = fVec(0.f);
     for (int64_t i = 0; i < n; ++i) {
       prefetch.step();
       const auto [x_even, x_odd] = bf16_even_odd(v[i] + d);
       fVec g_even = x_even * fVec(-c2[i]), g_odd = x_odd * fVec(-c2[i]);
-      for (int64_t q = 0; q < q_count; ++q) {
+#pragma GCC unroll 4
+      for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i, off = q * dim + d;
         const fVec aq(a[qi]), cq(c1[qi]);
         g_even =
             at::vec::fmadd(aq, fVec::loadu(do_split + off), at::vec::fmadd(cq, fVec::loadu(u_split + off), g_even));
         g_odd = at::vec::fmadd(aq, fVec::loadu(do_split + off + W),
                                at::vec::fmadd(cq, fVec::loadu(u_split + off + W), g_odd));
-        if constexpr (kOneSite) {
-          du_even = at::vec::fmadd(cq, x_even, du_even);
-          du_odd = at::vec::fmadd(cq, x_odd, du_odd);
-        } else {
-          at::vec::fmadd(cq, x_even, fVec::loadu(du_split + off)).store(du_split + off);
-          at::vec::fmadd(cq, x_odd, fVec::loadu(du_split + off + W)).store(du_split + off + W);
-        }
+        du_even[q] = at::vec::fmadd(cq, x_even, du_even[q]);
+        du_odd[q] = at::vec::fmadd(cq, x_odd, du_odd[q]);
       }
       const auto [lo, hi] = at::vec::interleave2(g_even, g_odd);
       const Vectorized<at::BFloat16> out = at::vec::convert_from_float<at::BFloat16>(lo, hi);
@@ -974,16 +1077,17 @@ inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, int64_t q
         out.store(dv[i] + d);
       }
     }
-    if constexpr (kOneSite) {
-      (fVec::loadu(du_split + d) + du_even).store(du_split + d);
-      (fVec::loadu(du_split + d + W) + du_odd).store(du_split + d + W);
+    for (int q = 0; q < G; ++q) {
+      float* du = du_split + q * dim + d;
+      (fVec::loadu(du) + du_even[q]).store(du);
+      (fVec::loadu(du + W) + du_odd[q]).store(du + W);
     }
   }
   for (; d < dim; ++d) {
     for (int64_t i = 0; i < n; ++i) {
       const float x = static_cast<float>(v[i][d]);
       float g = -c2[i] * x;
-      for (int64_t q = 0; q < q_count; ++q) {
+      for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
         g += a[qi] * do_split[q * dim + d] + c1[qi] * u_split[q * dim + d];
         du_split[q * dim + d] += c1[qi] * x;
@@ -1055,10 +1159,10 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   double* du_parts = du_part.mutable_data_ptr<double>();
   double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
 
-  // bf16 sources without a merge prefix are read as bf16 rows (dot_bf16, bf16_source_grads),
+  // bf16 sources without a merge prefix are read as bf16 rows (sumsq_and_dots_bf16, bf16_source_grads),
   // without a float copy of each row. Measured at N=9, 8192 rows, D=1024, one site (2 threads,
   // interleaved with a copy of the floor's bytes): 24.3 -> 12.8 ms, 50 % -> 94 % of the copy's rate.
-  bool bf16_rows = std::is_same_v<acc_t, float> && !has_prefix;
+  bool bf16_rows = std::is_same_v<acc_t, float> && !has_prefix && Q <= kSweepSites;
   for (const auto& src : rows.src) bf16_rows = bf16_rows && src.dtype == at::kBFloat16;
   bool stream_bf16 = stream && (D * 2) % 64 == 0;
   for (const auto& grad : dsrc_t) stream_bf16 = stream_bf16 && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 64 == 0;
@@ -1079,7 +1183,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
     // the last rows, before they go to the chunk's double partial.
     std::vector<acc_t> rowbuf(bf16_rows ? 0 : slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D);
     std::vector<acc_t> dvbuf(D), tmp(D);
-    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), c2(N);
+    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), c2(N), dots(Q);
     std::vector<acc_t> scaled_alpha(normalize_values ? Q * N : 0);
     std::vector<float> do_split(bf16_rows ? Q * D : 0), du_split(bf16_rows ? Q * D : 0);
     const acc_t* weight = normalize_values ? scaled_alpha.data() : alpha.data();
@@ -1152,14 +1256,15 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         for (int64_t i = 0; i < N; ++i) {
           const acc_t value_scale = normalize_values ? rinv[i * M + p] : acc_t(1);
-          for (int64_t q = 0; q < Q; ++q) {
-            acc_t dot_qi;
-            if constexpr (std::is_same_v<acc_t, float>) {
-              dot_qi = bf16_rows ? dot_bf16(vb[i], do_split.data() + q * D, D) : dot(do_.data() + q * D, v[i], D);
-            } else {
-              dot_qi = dot(do_.data() + q * D, v[i], D);
+          if constexpr (std::is_same_v<acc_t, float>) {  // <do_q, v_i> of every site in one sweep over v_i
+            if (bf16_rows) {
+              with_site_count(Q, [&](auto sites) {
+                sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_split.data(), D, dots.data());
+              });
             }
-            dp[q * N + i] = dot_qi * value_scale;
+          }
+          for (int64_t q = 0; q < Q; ++q) {
+            dp[q * N + i] = (bf16_rows ? dots[q] : dot(do_.data() + q * D, v[i], D)) * value_scale;
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
         }
@@ -1188,13 +1293,11 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         if constexpr (std::is_same_v<acc_t, float>) {
           if (bf16_rows) {
-            if (Q == 1) {
-              bf16_source_grads<true>(vb.data(), N, Q, weight, c1.data(), c2.data(), do_split.data(), u_split.data(),
-                                      du_split.data(), D, dvb.data(), stream_bf16, next_row);
-            } else {
-              bf16_source_grads<false>(vb.data(), N, Q, weight, c1.data(), c2.data(), do_split.data(), u_split.data(),
-                                       du_split.data(), D, dvb.data(), stream_bf16, next_row);
-            }
+            with_site_count(Q, [&](auto sites) {
+              bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_split.data(),
+                                                        u_split.data(), du_split.data(), D, dvb.data(), stream_bf16,
+                                                        next_row);
+            });
             if (flush) {
               for (int64_t q = 0; q < Q; ++q) accumulate_unsplit(du_c + q * D, du_split.data() + q * D, D);
               std::fill(du_split.begin(), du_split.end(), 0.f);
