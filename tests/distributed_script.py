@@ -68,9 +68,12 @@ PIPELINES = [
     ("Block-two-phase", "interleaved", False),
 ]
 
+# Under torch.autocast (bf16): the embedding crosses in fp32, the sublayer outputs in bf16.
+AUTOCAST_PIPELINES = [("Full-chunk-4", "interleaved", True), ("Block-two-phase", "1f1b", True)]
 
-def pipeline_key(case: str, schedule: str, cache: bool) -> str:
-    return f"pipeline/{case}/{schedule}" + ("" if cache else "/no-cache")
+
+def pipeline_key(case: str, schedule: str, cache: bool, autocast: bool = False) -> str:
+    return f"pipeline/{case}/{schedule}" + ("" if cache else "/no-cache") + ("/autocast" if autocast else "")
 
 
 def make_model(case: str):
@@ -158,7 +161,7 @@ def make_pipe_model(case: str):
     return build_model(cls, PIPE_LAYERS, **kwargs)
 
 
-def run_pipeline(case, schedule, cache, idx, targets):
+def run_pipeline(case, schedule, cache, idx, targets, autocast=False):
     """One training step of ``schedule`` over the pipeline stages of this rank, driven as
     PyTorch documents it: ``step(idx)`` on the rank of the first stage,
     ``step(target=..., losses=...)`` on that of the last. Returns the per-microbatch losses
@@ -178,14 +181,15 @@ def run_pipeline(case, schedule, cache, idx, targets):
         runner = schedule_class(stages, MICRO_BATCHES, loss_fn=loss_fn)
     losses = []
     first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-    if first and last:
-        runner.step(idx, target=targets, losses=losses)
-    elif first:
-        runner.step(idx)
-    elif last:
-        runner.step(target=targets, losses=losses)
-    else:
-        runner.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if first and last:
+            runner.step(idx, target=targets, losses=losses)
+        elif first:
+            runner.step(idx)
+        elif last:
+            runner.step(target=targets, losses=losses)
+        else:
+            runner.step()
     grads = {}
     for stage in stages:
         for name, p in stage.submod.named_parameters():
@@ -199,6 +203,7 @@ def run_pipeline(case, schedule, cache, idx, targets):
                 "kept": s.submod.kept,
                 "layers": [int(i) for i in s.submod.layers],
                 "sent_bytes": s.sent_bytes,
+                "dtypes": [] if s.is_first else [info.buffer.dtype for info in s.args_recv_info[0]],
             }
             for s in stages
         },
@@ -208,7 +213,7 @@ def run_pipeline(case, schedule, cache, idx, targets):
 RUNNERS = {"ddp": run_ddp, "fsdp2": run_fsdp2}
 
 
-def run_checks(cases, modes, out_dir, pipelines=PIPELINES) -> dict:
+def run_checks(cases, modes, out_dir, pipelines=PIPELINES, autocast_pipelines=AUTOCAST_PIPELINES) -> dict:
     """Runs every ``mode`` on every ``case`` (the pipeline mode: every entry of ``pipelines``) in the
     current process group; saves and returns the results."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -224,6 +229,9 @@ def run_checks(cases, modes, out_dir, pipelines=PIPELINES) -> dict:
             for case, schedule, cache in pipelines:
                 result = run_pipeline(case, schedule, cache, idx, targets)
                 results[pipeline_key(case, schedule, cache)] = {**result, "world_size": world}
+            for case, schedule, cache in autocast_pipelines:
+                result = run_pipeline(case, schedule, cache, idx, targets, autocast=True)
+                results[pipeline_key(case, schedule, cache, True)] = {**result, "world_size": world}
             continue
         for case in cases:
             result = RUNNERS[mode](case, idx.chunk(world)[rank], targets.chunk(world)[rank])
@@ -251,7 +259,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=TIMEOUT)  # env:// from torchrun
     try:
         pipelines = [p for p in PIPELINES if p[0] in args.cases]
-        results = run_checks(args.cases, args.modes, args.out, pipelines)
+        results = run_checks(args.cases, args.modes, args.out, pipelines, [])
         losses = {key: r["losses"] for key, r in results.items()}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, losses)

@@ -155,6 +155,32 @@ def test_cross_stage_caching_bytes(spawned, case):
         assert cached[s] == (len(ak.nn.boundary_layout(model, c)) - kept[s - 1]) * ROW_BYTES
 
 
+@pytest.mark.parametrize(("case", "schedule", "cache"), script.AUTOCAST_PIPELINES, ids=lambda v: str(v))
+def test_pipeline_under_autocast(spawned, case, schedule, cache):
+    """bf16 autocast: each boundary tensor crosses in its own dtype (the embedding fp32, sublayer
+    outputs bf16); loss and gradients as one process under autocast, to bf16 rounding."""
+    key = script.pipeline_key(case, schedule, cache, autocast=True)
+    runs = [result[key] for result in spawned]
+    stages = {index: stage for run in runs for index, stage in run["stages"].items()}
+    for s in range(1, len(stages)):
+        want = [
+            torch.float32 if name in ("sources[0]", "blocks[0]") else torch.bfloat16 for name in stages[s]["received"]
+        ]
+        assert stages[s]["dtypes"] == want, (s, stages[s]["received"])
+    model = script.make_pipe_model(case)
+    idx, targets = script.make_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = script.loss_fn(model(idx), targets)
+    loss.backward()
+    losses = [x for run in runs for x in run["losses"]]
+    torch.testing.assert_close(sum(losses) / len(losses), loss.item(), rtol=1e-3, atol=1e-3)
+    grads = {**runs[0]["grads"], **runs[1]["grads"]}
+    assert grads.keys() == dict(model.named_parameters()).keys()
+    for name, p in model.named_parameters():
+        scale = p.grad.abs().max().item()
+        assert (grads[name] - p.grad).abs().max().item() <= 5e-2 * scale + 1e-6, name
+
+
 def test_caching_needs_the_interleaved_placement(spawned):
     for result in spawned:
         assert "cross-stage caching needs stage s on rank s % 2" in result["pipeline/placement-error"]["error"]
