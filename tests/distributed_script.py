@@ -1,16 +1,18 @@
-"""Distributed training of the nn models on CPU (gloo): DDP, FSDP2 and a 2-stage pipeline.
+"""Distributed training of the nn models on CPU (gloo): DDP, FSDP2 and pipeline schedules.
 
 Run by ``tests/test_distributed.py`` in two ways: its ``spawn_worker`` under
 ``torch.multiprocessing`` and this file under torchrun::
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed_script.py --out DIR
 
-Each rank runs the checks on its half of one batch (the pipeline: stage ``rank``
-on the whole batch in two micro-batches) and saves what it saw — losses,
-step-1 gradients and parameters after two SGD steps, gathered to full tensors —
-to ``DIR/rank{rank}.pt``; under torchrun rank 0 also prints every rank's losses as one
-``RESULT {json}`` line.
-The test compares them with :func:`train` run by one process on the whole batch.
+Each rank runs the DDP and FSDP2 checks on its half of one batch and saves what it saw —
+losses, step-1 gradients and parameters after two SGD steps, gathered to full tensors —
+and the pipeline checks (``PIPELINES``: PyTorch's ``ScheduleGPipe``, ``Schedule1F1B``
+with one stage per rank and ``ScheduleInterleaved1F1B`` with two, on the whole batch in
+``MICRO_BATCHES`` microbatches) with the per-microbatch losses of the last stage, the
+gradients of the parameters of its stages and the bytes each stage sent, to
+``DIR/rank{rank}.pt``; under torchrun rank 0 also prints every rank's losses as one
+``RESULT {json}`` line. The test compares them with one process on the whole batch.
 Not collected by pytest (no ``test_`` prefix).
 """
 
@@ -29,7 +31,8 @@ import torch.nn.functional as F
 import attnres_kernels as ak
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
-BATCH, SEQ, MICRO_BATCHES, STEPS, LR = 4, 6, 2, 2, 0.5
+BATCH, SEQ, MICRO_BATCHES, STEPS, LR = 4, 6, 4, 2, 0.5
+PIPE_LAYERS = 8  # the pipeline cases: enough legal cuts for 4 stages
 TIMEOUT = timedelta(seconds=60)  # every collective, send and recv fails after this instead of hanging
 
 CASES = {
@@ -39,6 +42,38 @@ CASES = {
     "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
 }
 MODES = ("ddp", "fsdp2", "pipeline")
+
+# The pipeline models (PIPE_LAYERS layers): Full with every chunk size (1 .. 2L+1 sites).
+PIPE_MODELS = {
+    "Standard": ("StandardTransformer", {}),
+    **{f"Full-chunk-{c}": ("FullAttnResTransformer", {"chunk_size": c}) for c in range(1, 2 * PIPE_LAYERS + 2)},
+    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
+    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 3, "schedule": "two_phase"}),
+}
+# Schedule name -> (class name in torch.distributed.pipelining, stages per rank).
+SCHEDULES = {"gpipe": ("ScheduleGPipe", 1), "1f1b": ("Schedule1F1B", 1), "interleaved": ("ScheduleInterleaved1F1B", 2)}
+# (model, schedule, cross-stage caching): 2 stages on 2 ranks; 4 stages (interleaved) where the model has the cuts.
+PIPELINES = [
+    ("Standard", "gpipe", True),
+    ("Standard", "interleaved", True),
+    *[(f"Full-chunk-{c}", "1f1b" if c % 2 else "gpipe", True) for c in range(1, 2 * PIPE_LAYERS + 2)],
+    *[(f"Full-chunk-{c}", "interleaved", True) for c in (1, 2, 3, 4, 6)],
+    ("Full-chunk-4", "interleaved", False),
+    ("Block-per-site", "gpipe", True),
+    ("Block-per-site", "1f1b", True),
+    ("Block-per-site", "interleaved", True),
+    ("Block-per-site", "interleaved", False),
+    ("Block-two-phase", "1f1b", True),
+    ("Block-two-phase", "interleaved", True),
+    ("Block-two-phase", "interleaved", False),
+]
+
+# Under torch.autocast (bf16): the embedding crosses in fp32, the sublayer outputs in bf16.
+AUTOCAST_PIPELINES = [("Full-chunk-4", "interleaved", True), ("Block-two-phase", "1f1b", True)]
+
+
+def pipeline_key(case: str, schedule: str, cache: bool, autocast: bool = False) -> str:
+    return f"pipeline/{case}/{schedule}" + ("" if cache else "/no-cache") + ("/autocast" if autocast else "")
 
 
 def make_model(case: str):
@@ -121,70 +156,96 @@ def run_fsdp2(case, idx, targets):
     return {**result, "local_numel": local, "numel": sum(p.numel() for p in result["params"].values())}
 
 
-def run_pipeline(case, idx, targets):
-    """Stage 0 (rank 0): embedding + ``layers[:cut]``; stage 1 (rank 1): ``layers[cut:]`` + head.
-    The depth state crosses as :func:`attnres_kernels.nn.pack_boundary`'s list, gradients come
-    back in the same order. Micro-batches run one after the other; their gradients accumulate.
-    Returns the stage's loss (stage 1) and the gradients of the parameters the stage used."""
-    model = make_model(case)
-    cut = min(ak.nn.pipeline_cuts(model), key=lambda c: abs(c - LAYERS // 2))
-    stage = dist.get_rank()
-    total = 0.0
-    for mb_idx, mb_targets in zip(idx.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES)):
-        if stage == 0:
-            state = model.initial_state(model.embed(mb_idx))
-            for layer in model.layers[:cut]:
-                state = layer(state)
-            sent = ak.nn.pack_boundary(model, cut, state)
-            for t in sent:
-                dist.send(t.detach().contiguous(), dst=1)
-            grads = [torch.empty_like(t) for t in sent]
-            for g in grads:
-                dist.recv(g, src=1)
-            torch.autograd.backward(sent, grads)
+def make_pipe_model(case: str):
+    cls, kwargs = PIPE_MODELS[case]
+    return build_model(cls, PIPE_LAYERS, **kwargs)
+
+
+def run_pipeline(case, schedule, cache, idx, targets, autocast=False):
+    """One training step of ``schedule`` over the pipeline stages of this rank, driven as
+    PyTorch documents it: ``step(idx)`` on the rank of the first stage,
+    ``step(target=..., losses=...)`` on that of the last. Returns the per-microbatch losses
+    (last rank), the gradients of the parameters of this rank's stages (by the names of
+    ``model.named_parameters()``), what each stage received and the bytes it sent."""
+    from torch.distributed import pipelining
+
+    class_name, per_rank = SCHEDULES[schedule]
+    model = make_pipe_model(case)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    num_stages = world * per_rank
+    stages = model.pipeline_stages(range(rank, num_stages, world), num_stages, "cpu", cache=cache)
+    schedule_class = getattr(pipelining, class_name)
+    if per_rank == 1:
+        runner = schedule_class(stages[0], MICRO_BATCHES, loss_fn=loss_fn)
+    else:
+        runner = schedule_class(stages, MICRO_BATCHES, loss_fn=loss_fn)
+    losses = []
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        if first and last:
+            runner.step(idx, target=targets, losses=losses)
+        elif first:
+            runner.step(idx)
+        elif last:
+            runner.step(target=targets, losses=losses)
         else:
-            received = [torch.empty(*mb_idx.shape, D) for _ in ak.nn.boundary_layout(model, cut)]
-            for t in received:
-                dist.recv(t, src=0)
-                t.requires_grad_()
-            state = ak.nn.unpack_boundary(model, cut, received)
-            for layer in model.layers[cut:]:
-                state = layer(state)
-            loss = loss_fn(model.logits(state), mb_targets) / MICRO_BATCHES
-            loss.backward()
-            for t in received:
-                dist.send(t.grad if t.grad is not None else torch.zeros_like(t), dst=0)
-            total += loss.item()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return {"losses": [total] if stage == 1 else [], "grads": grads, "cut": cut}
+            runner.step()
+    grads = {}
+    for stage in stages:
+        for name, p in stage.submod.named_parameters():
+            grads[name] = p.grad.clone()
+    return {
+        "losses": [loss.item() for loss in losses],
+        "grads": grads,
+        "stages": {
+            s.stage_index: {
+                "received": s.submod.received,
+                "kept": s.submod.kept,
+                "layers": [int(i) for i in s.submod.layers],
+                "sent_bytes": s.sent_bytes,
+                "dtypes": [] if s.is_first else [info.buffer.dtype for info in s.args_recv_info[0]],
+            }
+            for s in stages
+        },
+    }
 
 
-RUNNERS = {"ddp": run_ddp, "fsdp2": run_fsdp2, "pipeline": run_pipeline}
+RUNNERS = {"ddp": run_ddp, "fsdp2": run_fsdp2}
 
 
-def run_checks(cases, modes, out_dir) -> dict:
-    """Runs every ``mode`` on every ``case`` in the current process group; saves and returns the results."""
+def run_checks(cases, modes, out_dir, pipelines=PIPELINES, autocast_pipelines=AUTOCAST_PIPELINES) -> dict:
+    """Runs every ``mode`` on every ``case`` (the pipeline mode: every entry of ``pipelines``) in the
+    current process group; saves and returns the results."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # two ranks share the machine's cores
     idx, targets = make_batch()
     results = {}
     for mode in modes:
+        if mode == "pipeline":
+            try:  # 4 stages on 2 ranks in the wrong placement for cross-stage caching
+                make_pipe_model("Block-per-site").pipeline_stages([rank], 2 * world, "cpu")
+            except ValueError as error:
+                results["pipeline/placement-error"] = {"error": str(error), "losses": []}
+            for case, schedule, cache in pipelines:
+                result = run_pipeline(case, schedule, cache, idx, targets)
+                results[pipeline_key(case, schedule, cache)] = {**result, "world_size": world}
+            for case, schedule, cache in autocast_pipelines:
+                result = run_pipeline(case, schedule, cache, idx, targets, autocast=True)
+                results[pipeline_key(case, schedule, cache, True)] = {**result, "world_size": world}
+            continue
         for case in cases:
-            if mode == "pipeline":
-                result = RUNNERS[mode](case, idx, targets)
-            else:
-                result = RUNNERS[mode](case, idx.chunk(world)[rank], targets.chunk(world)[rank])
+            result = RUNNERS[mode](case, idx.chunk(world)[rank], targets.chunk(world)[rank])
             results[f"{mode}/{case}"] = {**result, "world_size": world}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     return results
 
 
-def spawn_worker(rank: int, world: int, store_path: str, cases, modes, out_dir) -> None:
+def spawn_worker(rank: int, world: int, store_path: str, cases, modes, out_dir, pipelines=PIPELINES) -> None:
     """Entry point of ``torch.multiprocessing.spawn``: a gloo group over a FileStore."""
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=TIMEOUT)
     try:
-        run_checks(cases, modes, out_dir)
+        run_checks(cases, modes, out_dir, [tuple(p) for p in pipelines])
     finally:
         dist.destroy_process_group()
 
@@ -197,7 +258,8 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo", timeout=TIMEOUT)  # env:// from torchrun
     try:
-        results = run_checks(args.cases, args.modes, args.out)
+        pipelines = [p for p in PIPELINES if p[0] in args.cases]
+        results = run_checks(args.cases, args.modes, args.out, pipelines, [])
         losses = {key: r["losses"] for key, r in results.items()}
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, losses)

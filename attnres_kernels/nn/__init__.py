@@ -1,6 +1,6 @@
 """Drop-in modules backed by the fused kernels: sites, layers that own their depth
 reads, the Full/Block depth states, the Standard, Full and Block AttnRes models, their
-decode cache, and what crosses a pipeline-stage boundary (:mod:`attnres_kernels.nn.pipeline`)."""
+decode cache, and their pipeline stages (:mod:`attnres_kernels.nn.pipeline`)."""
 
 from .cache import DecodeCache, LayerKVCache
 from .layers import (
@@ -18,7 +18,15 @@ from .models import (
     FullAttnResTransformer,
     StandardTransformer,
 )
-from .pipeline import boundary_layout, pack_boundary, pipeline_cuts, unpack_boundary
+from .pipeline import (
+    balanced_cuts,
+    boundary_layout,
+    pack_boundary,
+    pipeline_cuts,
+    pipeline_stages,
+    reusable_tensors,
+    unpack_boundary,
+)
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 __all__ = [
@@ -38,8 +46,11 @@ __all__ = [
     "ShardedSiteError",
     "StandardLayer",
     "StandardTransformer",
+    "balanced_cuts",
     "boundary_layout",
     "pack_boundary",
     "pipeline_cuts",
+    "pipeline_stages",
+    "reusable_tensors",
     "unpack_boundary",
 ]

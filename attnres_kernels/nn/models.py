@@ -90,14 +90,15 @@ class _DecoderLM(nn.Module):
         self.final_norm = L.RMSNorm(d_model, eps)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
 
-    def run_layers(self, state, cache: DecodeCache | None = None, **kwargs):
-        """Runs every layer on ``state`` (recomputing each in backward with ``checkpoint=True``);
-        with a decode ``cache``, appends the chunk to it (inference: no checkpointing)."""
+    def run_layers(self, state, cache: DecodeCache | None = None, *, layers=None, **kwargs):
+        """Runs every layer (or those of ``layers``, a pipeline stage's) on ``state``, recomputing
+        each in backward with ``checkpoint=True``; with a decode ``cache``, appends the chunk to
+        it (inference: no checkpointing)."""
         if cache is not None:
             for i, layer in enumerate(self.layers):
                 state = layer(state, kv_cache=cache.layer(i), **kwargs)
             return state
-        for layer in self.layers:
+        for layer in self.layers if layers is None else layers:
             if self.checkpoint and torch.is_grad_enabled():
                 state = activation_checkpoint(layer, state, use_reentrant=False, **kwargs)
             else:
@@ -171,6 +172,22 @@ class _DecoderLM(nn.Module):
         """The groups of layers to shard together with FSDP2: ``fully_shard(unit)`` for
         each, then ``fully_shard(model)`` for the embedding, output site, final norm and head."""
         return [[layer] for layer in self.layers]
+
+    def pipeline_stage(self, stage_index: int, num_stages: int, device, group=None, cuts=None, *, cache=True):
+        """Stage ``stage_index`` of ``num_stages`` as a ``torch.distributed.pipelining.PipelineStage``
+        (one stage per rank: ``ScheduleGPipe``, ``Schedule1F1B``); see
+        :func:`attnres_kernels.nn.pipeline.pipeline_stages`."""
+        from .pipeline import pipeline_stages
+
+        return pipeline_stages(self, [stage_index], num_stages, device, group, cuts, cache=cache)[0]
+
+    def pipeline_stages(self, stage_indices, num_stages: int, device, group=None, cuts=None, *, cache=True) -> list:
+        """This rank's stages ``stage_indices`` of ``num_stages`` (several per rank for the
+        interleaved schedules, stage ``s`` on rank ``s % group size``); see
+        :func:`attnres_kernels.nn.pipeline.pipeline_stages`."""
+        from .pipeline import pipeline_stages
+
+        return pipeline_stages(self, stage_indices, num_stages, device, group, cuts, cache=cache)
 
 
 class StandardTransformer(_DecoderLM):
