@@ -4,9 +4,11 @@
 - :mod:`.attention`: fused causal attention, :func:`attention`;
 - :mod:`.block_step`: the fused Block residual step, :func:`block_step`;
 - :mod:`._dispatch`: backend names and selection (see its docstring for the rules);
-- :mod:`._registration`: fake kernels and autograd shared by the fused backends.
+- :mod:`._registration`: fake kernels and autograd shared by the fused backends;
+- :mod:`._sharding`: the fused ops on DTensor arguments (tensor and sequence parallel).
 """
 
+from . import _sharding  # noqa: F401  (DTensor rules of the fused ops: tensor / sequence parallel)
 from ._dispatch import BACKENDS, BackendUnavailableError
 from .attention import attention
 from .block_step import block_step
