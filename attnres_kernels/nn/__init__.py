@@ -1,6 +1,7 @@
 """Drop-in modules backed by the fused kernels: sites, layers that own their depth
 reads, the Full/Block depth states, the Standard, Full and Block AttnRes models, their
-decode cache, and their pipeline stages (:mod:`attnres_kernels.nn.pipeline`)."""
+decode cache, their pipeline stages (:mod:`attnres_kernels.nn.pipeline`) and their
+tensor-parallel plan (:mod:`attnres_kernels.nn.tensor_parallel`)."""
 
 from .cache import DecodeCache, LayerKVCache
 from .layers import (
@@ -28,6 +29,7 @@ from .pipeline import (
     unpack_boundary,
 )
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
+from .tensor_parallel import tensor_parallel_plan
 
 __all__ = [
     "DEFAULT_BLOCK_SCHEDULE",
@@ -52,5 +54,6 @@ __all__ = [
     "pipeline_cuts",
     "pipeline_stages",
     "reusable_tensors",
+    "tensor_parallel_plan",
     "unpack_boundary",
 ]

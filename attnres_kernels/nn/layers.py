@@ -152,12 +152,18 @@ def _rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
     return F.rms_norm(h, (h.shape[-1],), weight.to(h.dtype), eps)
 
 
+def _sharded(param) -> bool:
+    """Whether ``param`` is a DTensor split over ranks (FSDP keeps it sharded between
+    forwards); tensor parallelism replicates the site parameters, which are then whole."""
+    return isinstance(param, DTensor) and not all(p.is_replicate() for p in param.placements)
+
+
 def _check_gathered(group: tuple) -> None:
     """Raises :class:`ShardedSiteError` if a site of a multi-query read is sharded."""
     if DTensor is None:
         return
     for name, site in group:
-        if isinstance(site.query, DTensor) or isinstance(site.norm_weight, DTensor):
+        if _sharded(site.query) or _sharded(site.norm_weight):
             raise ShardedSiteError(
                 f"the multi-query (phase-1) read of this block needs the parameters of `{name}`, but they are "
                 "sharded: its layer is a separate FSDP unit. Shard the layers of each block (chunk) together: "
@@ -178,6 +184,10 @@ def phase1_read(backends: Backends, sources, group: tuple, eps: float):
     h, lse = read_unchecked(
         backends.depth, list(sources), query, norm_weight, options=ReadOptions(eps, eps), return_lse=True
     )
+    if DTensor is not None and isinstance(lse, DTensor):
+        # Tensor parallel: the first site's lse is never read, and unbind's backward would
+        # stand in a plain-tensor zero for it among DTensors. Rows of lse are 1/D of h's.
+        return h.unbind(0), tuple(lse[i] for i in range(lse.shape[0]))
     return h.unbind(0), lse.unbind(0)
 
 
