@@ -140,18 +140,9 @@ def build_model(args, vocab: int) -> nn.Module:
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """``parallelize_module(model, tp_mesh, attnres_kernels.nn.tensor_parallel_plan(model))``."""
-    plan_fn = getattr(ak.nn, "tensor_parallel_plan", None)
-    if plan_fn is None:
-        try:
-            from attnres_kernels.nn.tensor_parallel import tensor_parallel_plan as plan_fn
-        except ImportError:
-            raise SystemExit(
-                "--tp needs attnres_kernels.nn.tensor_parallel_plan(model), the tensor-parallel plan of the nn "
-                "models, which this installation does not have"
-            ) from None
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(model, tp_mesh, plan_fn(model))
+    parallelize_module(model, tp_mesh, ak.nn.tensor_parallel_plan(model))
 
 
 class LocalParts(nn.Module):

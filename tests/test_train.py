@@ -1,5 +1,5 @@
 """``python -m attnres_kernels.train`` at tiny size: one process, then torchrun layouts (data
-parallel, pipeline schedules, FSDP2 x pipeline on 4 ranks) train with the same per-step
+parallel, pipeline schedules, tensor parallel, FSDP2 x pipeline on 4 ranks) train with the same per-step
 losses (fp32 round-off); a DCP checkpoint of one layout resumes in another."""
 
 import json
@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import attnres_kernels as ak
 from attnres_kernels import train
 
 if not dist.is_available() or not dist.is_gloo_available():
@@ -55,8 +54,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    [["--dp", "2"], ["--pp", "2", "--schedule", "interleaved"]],
-    ids=["dp2", "pp2-interleaved"],
+    [["--dp", "2"], ["--pp", "2", "--schedule", "interleaved"], ["--tp", "2"]],
+    ids=["dp2", "pp2-interleaved", "tp2"],
 )
 def test_two_ranks(reference, tmp_path, layout):
     run(tmp_path, 2, *layout, "--checkpoint-every", "0")
@@ -85,7 +84,3 @@ def test_bad_arguments(tmp_path):
     assert not dist.is_initialized()
     with pytest.raises(SystemExit):
         train.parse_args(["--schedule", "1f1b", "--stages-per-rank", "2"])
-    model = train.build_model(train.parse_args(TINY), 20)
-    if not hasattr(ak.nn, "tensor_parallel_plan"):  # the plan lands with the tensor-parallel work
-        with pytest.raises(SystemExit, match="--tp needs attnres_kernels.nn.tensor_parallel_plan"):
-            train.apply_tensor_parallel(model, None)
