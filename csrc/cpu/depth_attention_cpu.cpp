@@ -1052,20 +1052,26 @@ inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const flo
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {
-    fVec du_even[G], du_odd[G];
-    for (int q = 0; q < G; ++q) du_even[q] = du_odd[q] = fVec(0.f);
+    // This vector pair of every site's do and u, loaded once for the n sources.
+    fVec du_even[G], du_odd[G], do_even[G], do_odd[G], u_even[G], u_odd[G];
+#pragma GCC unroll 4
+    for (int q = 0; q < G; ++q) {
+      du_even[q] = du_odd[q] = fVec(0.f);
+      do_even[q] = fVec::loadu(do_split + q * dim + d);
+      do_odd[q] = fVec::loadu(do_split + q * dim + d + W);
+      u_even[q] = fVec::loadu(u_split + q * dim + d);
+      u_odd[q] = fVec::loadu(u_split + q * dim + d + W);
+    }
     for (int64_t i = 0; i < n; ++i) {
       prefetch.step();
       const auto [x_even, x_odd] = bf16_even_odd(v[i] + d);
       fVec g_even = x_even * fVec(-c2[i]), g_odd = x_odd * fVec(-c2[i]);
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
-        const int64_t qi = q * n + i, off = q * dim + d;
+        const int64_t qi = q * n + i;
         const fVec aq(a[qi]), cq(c1[qi]);
-        g_even =
-            at::vec::fmadd(aq, fVec::loadu(do_split + off), at::vec::fmadd(cq, fVec::loadu(u_split + off), g_even));
-        g_odd = at::vec::fmadd(aq, fVec::loadu(do_split + off + W),
-                               at::vec::fmadd(cq, fVec::loadu(u_split + off + W), g_odd));
+        g_even = at::vec::fmadd(aq, do_even[q], at::vec::fmadd(cq, u_even[q], g_even));
+        g_odd = at::vec::fmadd(aq, do_odd[q], at::vec::fmadd(cq, u_odd[q], g_odd));
         du_even[q] = at::vec::fmadd(cq, x_even, du_even[q]);
         du_odd[q] = at::vec::fmadd(cq, x_odd, du_odd[q]);
       }
