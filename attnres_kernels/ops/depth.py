@@ -43,8 +43,6 @@ def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weig
 
             if dim > triton_backend.max_dim(dtype):
                 return f"the Triton kernels support D <= {triton_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
-            if options.normalize_values or options.out_norm_eps != options.eps or options.out_dtype is not None:
-                return "the Triton kernels do not implement normalize_values, out_norm_eps or out_dtype yet"
         if backend == "cuda":
             from .. import cuda as cuda_backend
 

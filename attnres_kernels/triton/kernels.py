@@ -134,8 +134,10 @@ def depth_attn_fwd_kernel(
     n_q,
     stride_logits_q,
     EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
+    NORMALIZE_VALUES: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ACC: tl.constexpr,
@@ -143,9 +145,10 @@ def depth_attn_fwd_kernel(
 ):
     """Grid ``(M,)``: one row per program; online softmax over the sources.
 
-    ``u`` = query ⊙ key-norm weight ``[Q, D]``. With ``HAS_PREFIX`` the read
-    continues from ``(h_a, lse_a)`` (a merge). Writes ``out`` (``h``, or
-    ``rmsnorm(h) * g``), ``lse``, the logits and the key-norm scales ``rinv``."""
+    ``u`` = scale · query ⊙ key-norm weight ``[Q, D]``. With ``HAS_PREFIX`` the read
+    continues from ``(h_a, lse_a)`` (a merge). The values are the sources, or with
+    ``NORMALIZE_VALUES`` the normalised sources ``r_i v_i``. Writes ``out`` (``h``, or
+    ``rmsnorm(h, OUT_EPS) * g``), ``lse``, the logits and the key-norm scales ``rinv``."""
     row = tl.program_id(0).to(tl.int64)
     n_src = slot_bounds[len(slot_bounds) - 1]
     offs_q = tl.arange(0, BLOCK_Q)
@@ -176,13 +179,15 @@ def depth_attn_fwd_kernel(
         rescale = tl.exp(run_max - new_max)
         p = tl.exp(s - new_max)
         denom = denom * rescale + p
+        if NORMALIZE_VALUES:
+            p = p * r
         acc = acc * rescale[:, None] + p[:, None] * v[None, :]
         run_max = new_max
     tl.store(lse_ptr + offs_q * M + row, run_max + tl.log(denom), mask=mask_q)
     h = acc / denom[:, None]
     if HAS_OUT_NORM:
         g = tl.load(g_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + OUT_EPS)
         h = h * rstd[:, None] * g
     tl.store(out_ptr + row_qd, _cast_for(h, out_ptr), mask=mask_qd)
 
@@ -212,11 +217,12 @@ def depth_attn_bwd_kernel(
     D,
     n_q,
     stride_logits_q,
-    EPS: tl.constexpr,
+    OUT_EPS: tl.constexpr,
     HAS_OUT_NORM: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     HAS_DLOGITS: tl.constexpr,
+    NORMALIZE_VALUES: tl.constexpr,
     ACCUMULATE_DV: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -227,14 +233,16 @@ def depth_attn_bwd_kernel(
     """Grid ``(cdiv(M, ROWS),)``: all gradients of the read for ``ROWS`` rows.
 
     Per row, with ``α = softmax(logits)`` (recomputed as ``exp(s - max) / Σ``,
-    more accurate than ``exp(s - lse)`` with a rounded lse) and ``do = ∂L/∂h``:
+    more accurate than ``exp(s - lse)`` with a rounded lse), ``do = ∂L/∂h`` and the
+    values ``x_i = v_i``, or ``r_i v_i`` with ``NORMALIZE_VALUES``:
 
-    0. with ``HAS_OUT_NORM``: recompute ``h = Σ α_i v_i (+ α_a h_a)``, then
+    0. with ``HAS_OUT_NORM``: recompute ``h = Σ α_i x_i (+ α_a h_a)``, then
        ``do`` from ``dy`` through ``y = h * rstd(h) * g`` (``dg`` partial);
        otherwise ``do = dy``;
-    1. ``delta_q = <do_q, h_q>`` (``Σ_i α_qi <do_q, v_i>`` without the norm);
-    2. ``ds_qi = α_qi (<do_q, v_i> - delta_q + dlse_q) (+ dlogits_qi)``,
-       ``dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² v_i / D``
+    1. ``delta_q = <do_q, h_q>`` (``Σ_i α_qi <do_q, x_i>`` without the norm);
+    2. ``dp_qi = <do_q, x_i>``, ``ds_qi = α_qi (dp_qi - delta_q + dlse_q) (+ dlogits_qi)``,
+       ``dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² v_i / D``; normalised
+       values: ``dv_i = Σ_q α_qi r_i do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi + α_qi dp_qi) r_i² v_i / D``
        (added to the stored gradient with ``ACCUMULATE_DV``, for later site
        groups), ``du_q += ds_qi r_i v_i``;
     3. with ``HAS_PREFIX``: ``∂h_a = α_a do``, ``∂lse_a = α_a (<do, h_a> - delta + dlse)``.
@@ -292,9 +300,11 @@ def depth_attn_bwd_kernel(
                     v = _load_source_row(
                         src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
                     )
+                    if NORMALIZE_VALUES:
+                        v = v * tl.load(rinv_ptr + i * M + row)
                     s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                     h += (tl.exp(s - top) * inv_z)[:, None] * v[None, :]
-                rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + EPS)
+                rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / D + OUT_EPS)
                 tl.store(dg_ptrs, tl.load(dg_ptrs, mask=mask_qd, other=0.0) + do * h * rstd[:, None], mask=mask_qd)
                 gy = tl.load(g_ptr + site_d, mask=mask_qd, other=0.0).to(ACC) * do
                 do = rstd[:, None] * gy - h * (rstd * rstd * rstd * tl.sum(gy * h, axis=1) / D)[:, None]
@@ -310,6 +320,8 @@ def depth_attn_bwd_kernel(
                     v = _load_source_row(
                         src_ptrs, slot_bounds, src_offsets_ptr, src_strides_ptr, i, row, offs_d, mask_d, ACC, ALIGNED
                     )
+                    if NORMALIZE_VALUES:
+                        v = v * tl.load(rinv_ptr + i * M + row)
                     s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                     delta += tl.exp(s - top) * inv_z * tl.sum(do * v[None, :], axis=1)
             for i in range(n_src):
@@ -319,13 +331,20 @@ def depth_attn_bwd_kernel(
                 s = tl.load(logits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                 r_i = tl.load(rinv_ptr + i * M + row)
                 alpha = tl.exp(s - top) * inv_z
-                ds = alpha * (tl.sum(do * v[None, :], axis=1) - delta + dlse)
+                dp = tl.sum(do * v[None, :], axis=1)
+                if NORMALIZE_VALUES:
+                    dp = dp * r_i
+                ds = alpha * (dp - delta + dlse)
                 if HAS_DLOGITS:
                     ds += tl.load(dlogits_ptr + offs_q * stride_logits_q + i * M + row, mask=mask_q, other=0.0)
                 c1 = ds * r_i
-                c2 = tl.sum(ds * s, axis=0) * r_i * r_i / D
                 u = tl.load(u_ptr + site_d, mask=mask_qd, other=0.0).to(ACC)
-                dv = tl.sum(alpha[:, None] * do + c1[:, None] * u, axis=0) - c2 * v
+                if NORMALIZE_VALUES:
+                    c2 = tl.sum(ds * s + alpha * dp, axis=0) * r_i * r_i / D
+                    dv = tl.sum((alpha * r_i)[:, None] * do + c1[:, None] * u, axis=0) - c2 * v
+                else:
+                    c2 = tl.sum(ds * s, axis=0) * r_i * r_i / D
+                    dv = tl.sum(alpha[:, None] * do + c1[:, None] * u, axis=0) - c2 * v
                 dv_start = tl.load(dsrc_offsets_ptr + i) + row * D
                 if ACCUMULATE_DV:
                     dv += _load_slot_row(dsrc_ptrs, slot_bounds, i, dv_start, offs_d, mask_d, ACC, ALIGNED)

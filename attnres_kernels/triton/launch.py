@@ -109,7 +109,7 @@ def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
         label,
         depth_attn_fwd_kernel,
         [slots, table, table, bounds, acc, out, acc, acc, out, acc, acc, acc, m, d, nq, n * m],
-        dict(EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, **tile),
+        dict(EPS=1e-6, OUT_EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, NORMALIZE_VALUES=True, **tile),
         cfg.launch_options(),
     )
     for out_norm in (True, False):
@@ -120,11 +120,12 @@ def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
             depth_attn_bwd_kernel,
             [*args, acc, acc, m, d, nq, n * m],
             dict(
-                EPS=1e-6,
+                OUT_EPS=1e-6,
                 HAS_OUT_NORM=out_norm,
                 HAS_PREFIX=True,
                 HAS_DLSE=True,
                 HAS_DLOGITS=True,
+                NORMALIZE_VALUES=True,
                 ACCUMULATE_DV=True,
                 ROWS=BWD_ROWS,
                 **tile,
@@ -261,24 +262,26 @@ def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
     return torch.tensor(layout.order, device=device)
 
 
-def _check_options(options: ReadOptions) -> None:
-    if options.normalize_values or options.out_norm_eps != options.eps or options.out_dtype is not None:
-        raise NotImplementedError("the Triton depth read does not implement normalize_values, out_norm_eps, out_dtype")
+def _dtypes(sources, prefix_out, options: ReadOptions) -> tuple:
+    """``(out_dtype, compute_dtype)``: the output's dtype (``options.out_dtype`` or the
+    promotion of the inputs) and the promotion of both, whose accumulation dtype the
+    kernels use."""
+    input_dtype = promoted_dtype([*sources, prefix_out])
+    out_dtype = options.out_dtype or input_dtype
+    return out_dtype, torch.promote_types(input_dtype, out_dtype)
 
 
 def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     options = ReadOptions(*options)
-    _check_options(options)
-    eps = options.eps
     first = sources[0]
     dim, lead = first.shape[-1], first.shape[:-1]
-    out_dtype = promoted_dtype([*sources, prefix_out])
-    acc_torch, acc_tl = _acc_dtypes(out_dtype)
+    out_dtype, compute_dtype = _dtypes(sources, prefix_out, options)
+    acc_torch, acc_tl = _acc_dtypes(compute_dtype)
     u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch, options.scale)
     m, n, q = first.numel() // dim, len(sources), u.shape[0]
     q_dims = tuple(query.shape[:-1])
-    cfg = kernel_config(dim, q, out_dtype)
+    cfg = kernel_config(dim, q, compute_dtype)
     outputs = (
         first.new_empty((*q_dims, *lead, dim), dtype=out_dtype),
         first.new_empty((*q_dims, *lead), dtype=acc_torch),
@@ -318,9 +321,11 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
             dim,
             q1 - q0,
             n * m,
-            EPS=eps,
+            EPS=options.eps,
+            OUT_EPS=options.out_norm_eps,
             HAS_PREFIX=has_prefix,
             HAS_OUT_NORM=g is not None,
+            NORMALIZE_VALUES=options.normalize_values,
             BLOCK_Q=cfg.block_q,
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
@@ -355,11 +360,9 @@ def depth_attn_bwd(
 ):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     options = ReadOptions(*options)
-    _check_options(options)
-    eps = options.eps
     first = sources[0]
-    out_dtype = promoted_dtype([*sources, prefix_out])
-    acc_torch, _ = _acc_dtypes(out_dtype)
+    _, compute_dtype = _dtypes(sources, prefix_out, options)
+    acc_torch, _ = _acc_dtypes(compute_dtype)
     u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch, options.scale)
     # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides,
     # each in its source's dtype.
@@ -371,8 +374,8 @@ def depth_attn_bwd(
     grad_g = u.new_zeros(u.shape) if has_norm else None
     if first.numel() > 0:
         _depth_attn_bwd_launch(
-            grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
-            grad_u, grad_prefix_out, grad_prefix_lse, grad_g, out_dtype,
+            grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, options,
+            grad_u, grad_prefix_out, grad_prefix_lse, grad_g, compute_dtype,
         )  # fmt: skip
     else:
         for gs in grad_sources:
@@ -389,17 +392,17 @@ def depth_attn_bwd(
 
 
 def _depth_attn_bwd_launch(
-    grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, eps,
-    grad_u, grad_prefix_out, grad_prefix_lse, grad_g, out_dtype,
+    grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, options,
+    grad_u, grad_prefix_out, grad_prefix_lse, grad_g, compute_dtype,
 ):  # fmt: skip
     """The backward kernel launches over site groups; ``grad_*`` are written in place."""
     first, dim = sources[0], sources[0].shape[-1]
-    acc_torch, acc_tl = _acc_dtypes(out_dtype)
+    acc_torch, acc_tl = _acc_dtypes(compute_dtype)
     layout = _slot_layout(sources)
     rows = layout.arrange([_rows(s, dim) for s in sources])
     grad_rows = layout.arrange([gs.view(-1, dim) for gs in grad_sources])
     m, n, q = rows[0].shape[0], len(rows), u.shape[0]
-    cfg = kernel_config(dim, q, out_dtype)
+    cfg = kernel_config(dim, q, compute_dtype)
     has_prefix, has_norm = prefix_out is not None, g is not None
     table = _int64_table(
         _slot_offsets(rows, layout.bounds) + [r.stride(0) for r in rows] + _slot_offsets(grad_rows, layout.bounds),
@@ -448,11 +451,12 @@ def _depth_attn_bwd_launch(
             dim,
             nq,
             n * m,
-            EPS=eps,
+            OUT_EPS=options.out_norm_eps,
             HAS_OUT_NORM=has_norm,
             HAS_PREFIX=has_prefix,
             HAS_DLSE=dlse is not None,
             HAS_DLOGITS=dlogits is not None,
+            NORMALIZE_VALUES=options.normalize_values,
             ACCUMULATE_DV=group > 0,
             ROWS=BWD_ROWS,
             BLOCK_Q=cfg.block_q,
