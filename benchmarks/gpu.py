@@ -21,6 +21,9 @@ a small slack); a failing implementation is marked FAIL in the report. An implem
 is not installed or cannot run a case (no CUDA build of ours yet, a peer's width or dtype limits)
 is listed as skipped with the reason, never as an error; one that raises is listed as an error.
 
+Inkling2: one transformers ``Inkling2BlockAttentionResidual`` (Q = 1 and 3) unpatched and patched by
+``attnres_kernels.hf.apply_attnres_kernels``, forward + backward time and saved bytes.
+
 Models: one AdamW training step (bf16 autocast: fp32 parameters and embedding, bf16 sublayers,
 so the depth reads see mixed dtypes) of Standard, Full and Block AttnRes at d=1024, L=12,
 T=1024 on the fused kernels (``backend="auto"``) and on the reference depth read, with the peak
@@ -491,6 +494,51 @@ def bench_models(cfg: ModelConfig, env: Env) -> list:
     return rows
 
 
+# ---------------------------------------------------------------- Inkling2 read modules
+
+
+@dataclass
+class Inkling2Row:
+    queries: int
+    partial: str
+    status: str
+    unpatched_ms: tuple | None = None
+    patched_ms: tuple | None = None
+    unpatched_saved_mib: float | None = None
+    patched_saved_mib: float | None = None
+
+
+def bench_inkling2_reads(env: Env) -> list:
+    """One transformers ``Inkling2BlockAttentionResidual`` (Q = 1 and 3 queries over 4 committed bf16
+    blocks and the partial sum, bf16 or fp32, T = 4096 tokens, D = 1024) unpatched and patched by
+    ``attnres_kernels.hf.apply_attnres_kernels``: forward + backward time and the bytes autograd saves
+    (``benchmarks/inkling2_read.py`` measures the same on CPU)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import inkling2_read
+
+    tokens, dim = (8, 16) if env.dry_run else (4096, 1024)
+    rows = []
+    for queries in (1, 3):
+        for partial_dtype in (torch.bfloat16, torch.float32):
+            row = Inkling2Row(queries, str(partial_dtype).removeprefix("torch."), "ok")
+            try:
+                unpatched = inkling2_read.make_module(dim, queries).to(env.device)
+                patched = inkling2_read.patched_copy(unpatched)
+                gen = torch.Generator(env.device).manual_seed(0)
+                blocks = torch.randn(1, tokens, 4, dim, device=env.device, generator=gen).bfloat16().requires_grad_()
+                partial = torch.randn(1, tokens, dim, device=env.device, generator=gen).to(partial_dtype)
+                partial.requires_grad_()
+                for name, module in (("unpatched", unpatched), ("patched", patched)):
+                    step = lambda module=module: inkling2_read.fwd_bwd(module, blocks, partial)
+                    setattr(row, f"{name}_ms", env.timer(step))
+                    saved = inkling2_read.saved_bytes(module, blocks, partial)
+                    setattr(row, f"{name}_saved_mib", saved / 2**20)
+            except Exception as exc:  # reported, the rest still runs
+                row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -506,7 +554,14 @@ def _ratio(a, b) -> str:
     return "–" if a is None or b is None else f"{b[0] / a[0]:.2f}×"
 
 
-def markdown(env_info: dict, read_rows: list, copies: dict, model_rows: list, cfg: ModelConfig | None) -> str:
+def markdown(
+    env_info: dict,
+    read_rows: list,
+    copies: dict,
+    model_rows: list,
+    cfg: ModelConfig | None,
+    inkling2_rows: list = (),
+) -> str:
     lines = ["# GPU benchmark" + (" (DRY RUN on CPU: numbers are meaningless)" if env_info["dry_run"] else ""), ""]
     lines += [f"- {k}: {v}" for k, v in env_info.items()]
     lines += [
@@ -561,6 +616,24 @@ def markdown(env_info: dict, read_rows: list, copies: dict, model_rows: list, cf
             peak = "–" if r.peak_mib is None else f"{r.peak_mib:.0f}"
             tps = "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}"
             lines.append(f"| {r.model} | {r.depth_read} | {r.status} | {_ms(r.step_ms)} | {ratio} | {tps} | {peak} |")
+    if inkling2_rows:
+        lines += [
+            "",
+            "## Inkling2 read module, patched vs unpatched",
+            "",
+            "transformers' `Inkling2BlockAttentionResidual` (4 committed bf16 blocks + the partial sum, T = 4096, "
+            "D = 1024, fp32 output), forward + backward, unpatched and patched by "
+            "`attnres_kernels.hf.apply_attnres_kernels`; saved MiB: tensors autograd keeps that are not the inputs.",
+            "",
+            "| Q | partial | status | unpatched ms | patched ms | speedup | saved MiB unpatched | patched |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in inkling2_rows:
+            mib = lambda x: "–" if x is None else f"{x:.1f}"
+            lines.append(
+                f"| {r.queries} | {r.partial} | {r.status} | {_ms(r.unpatched_ms)} | {_ms(r.patched_ms)} | "
+                f"{_ratio(r.patched_ms, r.unpatched_ms)} | {mib(r.unpatched_saved_mib)} | {mib(r.patched_saved_mib)} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -604,12 +677,14 @@ def main(argv=None) -> int:
         read_rows[case.label], copies[case.label] = bench_case(case, env, impls)
     cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
     model_rows = bench_models(cfg, env) if cfg is not None else []
-    report = markdown(env_info, read_rows, copies, model_rows, cfg)
+    inkling2_rows = bench_inkling2_reads(env)
+    report = markdown(env_info, read_rows, copies, model_rows, cfg, inkling2_rows)
     result = {
         "environment": env_info,
         "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
         "copy_gbps": copies,
         "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
+        "inkling2_reads": [asdict(r) for r in inkling2_rows],
     }
     out_dir = (
         args.out if args.out is not None else (None if args.dry_run else os.path.join(ROOT, "benchmarks", "results"))

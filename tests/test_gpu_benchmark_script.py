@@ -66,6 +66,18 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
         assert row["status"] == "ok", row
         assert row["step_ms"][0] > 0 and row["tokens_per_s"] > 0
     assert "## Training step" in report and "## How the peers are called" in report
+    inkling2 = result["inkling2_reads"]
+    assert [(r["queries"], r["partial"]) for r in inkling2] == [
+        (1, "bfloat16"),
+        (1, "float32"),
+        (3, "bfloat16"),
+        (3, "float32"),
+    ]
+    for row in inkling2:
+        assert row["status"] == "ok", row
+        assert row["unpatched_ms"][0] > 0 and row["patched_ms"][0] > 0
+        assert row["patched_saved_mib"] < row["unpatched_saved_mib"]
+    assert "## Inkling2 read module, patched vs unpatched" in report
 
 
 def test_without_a_gpu_the_real_run_refuses(gpu, capsys):
