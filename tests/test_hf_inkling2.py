@@ -350,7 +350,7 @@ def test_no_attnres_modules():
 
 def test_untested_transformers_version(monkeypatch):
     model = transformers.Inkling2TextModel(text_config())
-    monkeypatch.setattr(transformers, "__version__", "5.99.0")
+    monkeypatch.setattr(inkling2.transformers, "__version__", "5.99.0")  # the module object it checks
     with pytest.raises(hf.UnsupportedTransformersError, match="tested with transformers 5.23.0, found 5.99.0"):
         hf.apply_attnres_kernels(model)
     assert not any(type(m).__name__.startswith("AttnResKernels") for m in model.modules())
