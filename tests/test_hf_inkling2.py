@@ -242,6 +242,8 @@ def test_gradient_checkpointing(checkpoint, fuse_norms):
 
 
 def test_torch_compile(checkpoint):
+    """torch.compile of the patched model (aot_eager, to keep CI fast): the compiled graphs call the fused
+    op for every read; logits and gradients equal the unpatched model's."""
     eager, fused = load(checkpoint, False), load(checkpoint, True)
     compiled = torch.compile(fused, backend="aot_eager")
     ids = batch()
@@ -250,6 +252,8 @@ def test_torch_compile(checkpoint):
     assert_close(out_c.logits, out_e.logits, "logits")
     for name, g in grads_e.items():
         assert_close(grads_c[name], g, f"grad of {name}", atol=2e-5)
+    compiled(ids)  # compiled (and traced with fake tensors) before the profiler counts real calls
+    assert ops_run(lambda: compiled(ids)).count(FWD_OP) == N_READS
 
 
 def test_trainer(checkpoint, tmp_path):
