@@ -242,13 +242,17 @@ def test_gradient_checkpointing(checkpoint, fuse_norms):
 
 
 def test_torch_compile(checkpoint):
-    """torch.compile of the patched model (aot_eager, to keep CI fast): the compiled graphs call the fused
-    op for every read; logits and gradients equal the unpatched model's."""
+    """torch.compile of the patched model (aot_eager, to keep CI fast) runs as one graph, no graph break; it
+    calls the fused op for every read; logits and gradients equal the unpatched model's."""
+    from torch._dynamo.utils import counters
+
     eager, fused = load(checkpoint, False), load(checkpoint, True)
     compiled = torch.compile(fused, backend="aot_eager")
     ids = batch()
     out_e, grads_e = loss_and_grads(eager, ids)
+    counters.clear()
     out_c, grads_c = loss_and_grads(compiled, ids, params_of=fused)
+    assert not counters["graph_break"], dict(counters["graph_break"])
     assert_close(out_c.logits, out_e.logits, "logits")
     for name, g in grads_e.items():
         assert_close(grads_c[name], g, f"grad of {name}", atol=2e-5)
