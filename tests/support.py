@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 # Absolute slack on top of the "k x the error of a same-precision PyTorch run" rule,
@@ -89,3 +92,18 @@ def reference_and_oracle(ref_fn, sources, params, out_weights):
         ref_fn, [s.double() for s in sources], [p.double() if p is not None else None for p in params], out_weights
     )
     return same, oracle
+
+
+def spawn_ranks(worker, world: int, args: tuple, timeout_s: float) -> None:
+    """Runs ``worker(rank, *args)`` in ``world`` spawned processes (gloo tests on CPU); raises if a
+    rank fails, and fails the test, killing the ranks, if they have not finished after ``timeout_s``
+    (a hang never blocks the suite)."""
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(worker, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # raises if a rank failed
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the distributed ranks did not finish within {timeout_s} s")

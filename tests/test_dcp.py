@@ -7,8 +7,6 @@ the losses equal them to fp32 round-off; the checkpoint loads into the plain-PyT
 reference model, whose logits equal the nn model's. The ranks run ``tests/dcp_script.py``
 under ``torch.multiprocessing`` and fail after a timeout instead of hanging."""
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,6 +16,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import dcp_script as script
 import torch.distributed.checkpoint as dcp
+
+from support import spawn_ranks
 
 # dcp.load in the test process (no process group) says it loads in a single process: the point.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -30,22 +30,8 @@ CASES = list(script.CASES)
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """The checkpoint folder and each rank's results of one 2-rank spawn over every case."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("dcp")
-    context = mp.start_processes(
-        script.spawn_worker,
-        args=(WORLD, str(out / "store"), CASES, str(out)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # raises if a rank failed
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the distributed ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    spawn_ranks(script.spawn_worker, WORLD, (WORLD, str(out / "store"), CASES, str(out)), SPAWN_TIMEOUT_S)
     return out, [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
 
 

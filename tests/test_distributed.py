@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,8 @@ import distributed_script as script
 
 import attnres_kernels as ak
 
+from support import spawn_ranks
+
 WORLD = 2
 SPAWN_TIMEOUT_S = 300
 TORCHRUN_TIMEOUT_S = 300
@@ -36,22 +37,13 @@ TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32: ranks sum rows in other orders and a
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory):
     """Results of every rank of one 2-rank spawn that runs all modes on all cases."""
-    import torch.multiprocessing as mp
-
     out = tmp_path_factory.mktemp("spawned")
-    context = mp.start_processes(
+    spawn_ranks(
         script.spawn_worker,
-        args=(WORLD, str(out / "store"), list(script.CASES), list(script.MODES), str(out)),
-        nprocs=WORLD,
-        join=False,
-        start_method="spawn",
+        WORLD,
+        (WORLD, str(out / "store"), list(script.CASES), list(script.MODES), str(out)),
+        SPAWN_TIMEOUT_S,
     )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # raises if a rank failed
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the distributed ranks did not finish within {SPAWN_TIMEOUT_S} s")
     return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD)]
 
 

@@ -14,8 +14,6 @@
 The ranks run ``tests/tensor_parallel_script.py`` under ``torch.multiprocessing`` and fail
 after a timeout instead of hanging."""
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -25,6 +23,8 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import tensor_parallel_script as script
 
+from support import spawn_ranks
+
 SPAWN_TIMEOUT_S = 300
 TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32: ranks sum rows in other orders and reduce
 TP_CASES = list(script.CASES)
@@ -33,21 +33,7 @@ FSDP_TP_CASES = ["Full-chunked", "Block-two-phase"]
 
 def spawn(tmp_path, world, jobs):
     """Each rank's results of one spawn of ``world`` ranks running ``jobs``."""
-    import torch.multiprocessing as mp
-
-    context = mp.start_processes(
-        script.spawn_worker,
-        args=(world, str(tmp_path / "store"), jobs, str(tmp_path)),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not context.join(timeout=max(deadline - time.monotonic(), 0)):  # raises if a rank failed
-        if time.monotonic() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the distributed ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    spawn_ranks(script.spawn_worker, world, (world, str(tmp_path / "store"), jobs, str(tmp_path)), SPAWN_TIMEOUT_S)
     return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
 
 
