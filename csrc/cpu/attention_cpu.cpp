@@ -446,10 +446,11 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // the result does not depend on the number of threads; a kv head whose keys
 // fit one span writes its output directly.
 
-constexpr int64_t kDecodeMaxRows = 16;    // at most G · Tq query rows per kv head take this path
-constexpr int64_t kDecodeDirectRows = 2;  // up to this many rows convert half/bf16 rows where they are used
-constexpr int64_t kDecodeChunk = 64;      // keys per online-softmax step
-constexpr int64_t kDecodeSplit = 256;     // keys per program (a multiple of kDecodeChunk)
+constexpr int64_t kDecodeMaxRows = 16;     // at most G · Tq query rows per kv head take this path
+constexpr int64_t kDecodeDirectRows = 2;   // up to this many rows convert half/bf16 rows where they are used
+constexpr int64_t kDecodeChunk = 64;       // keys per online-softmax step
+constexpr int64_t kDecodeSplit = 256;      // keys per program (a multiple of kDecodeChunk)
+constexpr int64_t kDecodeGrain = 1 << 16;  // multiply-adds per thread at least (see decode_forward)
 
 inline bool use_decode_path(const Problem& p) { return p.tq >= 1 && p.group * p.tq <= kDecodeMaxRows; }
 
@@ -711,7 +712,11 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
     }
   };
 
-  at::parallel_for(0, units * splits, 1, [&](int64_t begin, int64_t end) {
+  // Items of about kDecodeGrain multiply-adds or more per thread: a short step runs on one thread
+  // (forking costs more than its work).
+  const int64_t item_work = std::min(kv_len, kDecodeSplit) * rows * dh;
+  const int64_t grain = std::max<int64_t>(1, ceil_div(kDecodeGrain, std::max<int64_t>(item_work, 1)));
+  at::parallel_for(0, units * splits, grain, [&](int64_t begin, int64_t end) {
     DecodeRows<T> st(rows, dhp);
     std::vector<T> kbuf(in_place ? 0 : C * dhp), vbuf(in_place ? 0 : C * dhp), tmp(dhp);
     for (int64_t item = begin; item < end; ++item) {
@@ -752,7 +757,7 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   if (splits == 1) return;
 
   // Merge the spans of every (kv head, row): weights exp(m_s - max_s m_s), in ascending span order.
-  at::parallel_for(0, units * rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, units * rows, ceil_div(kDecodeGrain, splits * dhp), [&](int64_t begin, int64_t end) {
     std::vector<T> acc(dhp), tmp(dhp);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t unit = idx / rows, r = idx % rows;
