@@ -447,7 +447,7 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // fit one span writes its output directly.
 
 constexpr int64_t kDecodeMaxRows = 16;     // at most G · Tq query rows per kv head take this path
-constexpr int64_t kDecodeDirectRows = 2;   // up to this many rows convert half/bf16 rows where they are used
+constexpr int64_t kDecodeDirectRows = 4;   // up to this many rows convert half/bf16 rows where they are used
 constexpr int64_t kDecodeChunk = 64;       // keys per online-softmax step
 constexpr int64_t kDecodeSplit = 256;      // keys per program (a multiple of kDecodeChunk)
 constexpr int64_t kDecodeGrain = 1 << 16;  // multiply-adds per thread at least (see decode_forward)
@@ -523,36 +523,47 @@ inline T decode_dot(const T* q, const Src* x, int64_t cols) {
   return reduce_sum(s0 + s1);
 }
 
-// Whether the scores of T rows are taken 16 keys at a time (decode_dot16).
+// Whether scores of T rows are taken 16 (row, key) pairs at a time (decode_scores16).
 #if defined(CPU_CAPABILITY_AVX512)
 template <typename T>
-constexpr bool kDots16 = std::is_same_v<T, float>;
+constexpr bool kScores16 = std::is_same_v<T, float>;
 #else
 template <typename T>
-constexpr bool kDots16 = false;
+constexpr bool kScores16 = false;
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-// out[0:16] = <q[0:cols], x_j[0:cols]> for the 16 rows x_j = x + j · ld (cols a multiple of 16):
-// one accumulator per key, then one shuffle-and-add tree for the 16 horizontal sums (45 ops instead of
-// 16 separate reductions).
-template <typename Src>
-inline void decode_dot16(const float* q, const Src* x, int64_t ld, int64_t cols, float* out) {
+// s[r · lds + j] = <q_r[0:cols], x_j[0:cols]> for RB query rows q_r = q + r · ldq and 16 / RB key rows
+// x_j = x + j · ld (cols a multiple of 16): each key vector is loaded once for the RB rows, one
+// accumulator per (row, key), then one shuffle-and-add tree for the 16 horizontal sums (45 ops
+// instead of 16 separate reductions).
+template <typename Src, int RB>
+inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t ld, int64_t cols, float* s,
+                            int64_t lds) {
   constexpr int64_t W = 16;
+  constexpr int KB = 16 / RB;
   __m512 acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
   int64_t d = 0;
   for (; d + 2 * W <= cols; d += 2 * W) {
-    const __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + d + W);
-    for (int j = 0; j < 16; ++j) {
+    __m512 q0[RB], q1[RB];
+    for (int r = 0; r < RB; ++r) {
+      q0[r] = _mm512_loadu_ps(q + r * ldq + d);
+      q1[r] = _mm512_loadu_ps(q + r * ldq + d + W);
+    }
+    for (int j = 0; j < KB; ++j) {
       Vec<float> a, b;
       RowLoad<Src, float>::block(x + j * ld + d, a, b);
-      acc[j] = _mm512_fmadd_ps(q1, b, _mm512_fmadd_ps(q0, a, acc[j]));
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(q1[r], b, _mm512_fmadd_ps(q0[r], a, acc[r * KB + j]));
     }
   }
   if (d < cols) {
-    const __m512 q0 = _mm512_loadu_ps(q + d);
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(q0, RowLoad<Src, float>::single(x + j * ld + d), acc[j]);
+    for (int j = 0; j < KB; ++j) {
+      const __m512 a = RowLoad<Src, float>::single(x + j * ld + d);
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * ldq + d), a, acc[r * KB + j]);
+    }
   }
   // Pairs: per 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3).
   __m512 c[8];
@@ -560,7 +571,7 @@ inline void decode_dot16(const float* q, const Src* x, int64_t ld, int64_t cols,
     c[i] =
         _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
   }
-  // Quads: per 128-bit lane the partial sums of keys 4i..4i+3 in order.
+  // Quads: per 128-bit lane the partial sums of accumulators 4i..4i+3 in order.
   __m512 e[4];
   for (int i = 0; i < 4; ++i) {
     const __m512d x0 = _mm512_castps_pd(c[2 * i]), x1 = _mm512_castps_pd(c[2 * i + 1]);
@@ -570,58 +581,66 @@ inline void decode_dot16(const float* q, const Src* x, int64_t ld, int64_t cols,
   const auto fold = [](__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
   };
-  _mm512_storeu_ps(out, fold(fold(e[0], e[1]), fold(e[2], e[3])));
+  alignas(64) float out[16];
+  _mm512_store_ps(out, fold(fold(e[0], e[1]), fold(e[2], e[3])));
+  for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
 }
 #endif
 
-// acc[0:NB·2W] += Σ_j p[j] · rows[j · ld + (0:NB·2W)] over j < n, kept in registers.
-template <typename T, typename Src, int NB>
-inline void decode_gather_blocks(T* acc, const T* p, const Src* rows, int64_t ld, int64_t n) {
+// acc_r[0:NB·2W] += Σ_j p_r[j] · rows[j · ld + (0:NB·2W)] over j < n for RB rows (acc_r = acc + r · lda,
+// p_r = p + r · ldp): each value vector is loaded once for the RB rows, the accumulators kept in registers.
+template <typename T, typename Src, int RB, int NB>
+inline void decode_gather_blocks(T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows, int64_t ld, int64_t n) {
   constexpr int64_t W = Vec<T>::size();
-  Vec<T> a[2 * NB], x, y;
-  for (int i = 0; i < 2 * NB; ++i) a[i] = Vec<T>::loadu(acc + i * W);
+  Vec<T> a[RB][2 * NB], x[2 * NB];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * NB; ++i) a[r][i] = Vec<T>::loadu(acc + r * lda + i * W);
   for (int64_t j = 0; j < n; ++j) {
-    const Vec<T> pj(p[j]);
     const Src* row = rows + j * ld;
-    for (int i = 0; i < NB; ++i) {
-      RowLoad<Src, T>::block(row + 2 * i * W, x, y);
-      a[2 * i] = at::vec::fmadd(pj, x, a[2 * i]);
-      a[2 * i + 1] = at::vec::fmadd(pj, y, a[2 * i + 1]);
+    for (int i = 0; i < NB; ++i) RowLoad<Src, T>::block(row + 2 * i * W, x[2 * i], x[2 * i + 1]);
+    for (int r = 0; r < RB; ++r) {
+      const Vec<T> pj(p[r * ldp + j]);
+      for (int i = 0; i < 2 * NB; ++i) a[r][i] = at::vec::fmadd(pj, x[i], a[r][i]);
     }
   }
-  for (int i = 0; i < 2 * NB; ++i) a[i].store(acc + i * W);
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * NB; ++i) a[r][i].store(acc + r * lda + i * W);
 }
 
-// decode_gather_blocks for the last `blocks` (< NB) blocks of a row.
-template <typename T, typename Src, int NB>
-inline void decode_gather_tail(int64_t blocks, T* acc, const T* p, const Src* rows, int64_t ld, int64_t n) {
+// decode_gather_blocks for the last `blocks` (< NB) blocks of the rows.
+template <typename T, typename Src, int RB, int NB>
+inline void decode_gather_tail(int64_t blocks, T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows,
+                               int64_t ld, int64_t n) {
   if constexpr (NB > 0) {
-    if (blocks == NB) return decode_gather_blocks<T, Src, NB>(acc, p, rows, ld, n);
-    decode_gather_tail<T, Src, NB - 1>(blocks, acc, p, rows, ld, n);
+    if (blocks == NB) return decode_gather_blocks<T, Src, RB, NB>(acc, lda, p, ldp, rows, ld, n);
+    decode_gather_tail<T, Src, RB, NB - 1>(blocks, acc, lda, p, ldp, rows, ld, n);
   }
 }
 
-// acc[0:cols] += Σ_j p[j] · rows[j · ld + (0:cols)] over j < n (cols a multiple of W).
-template <typename T, typename Src>
-inline void decode_gather(T* acc, const T* p, const Src* rows, int64_t ld, int64_t n, int64_t cols) {
+// acc_r[0:cols] += Σ_j p_r[j] · rows[j · ld + (0:cols)] over j < n for RB rows (cols a multiple of W).
+template <typename T, typename Src, int RB>
+inline void decode_gather(T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows, int64_t ld, int64_t n,
+                          int64_t cols) {
   constexpr int64_t W = Vec<T>::size();
-  constexpr int kGroup = sizeof(Vec<T>) >= 64 ? 4 : 2;  // blocks in registers: 2·kGroup accumulators + 2 loads
+  constexpr int kGroup = (sizeof(Vec<T>) >= 64 ? 8 : 4) / RB;  // blocks per pass: 16 (8) accumulators
   int64_t d = 0;
   for (; d + 2 * kGroup * W <= cols; d += 2 * kGroup * W) {
-    decode_gather_blocks<T, Src, kGroup>(acc + d, p, rows + d, ld, n);
+    decode_gather_blocks<T, Src, RB, kGroup>(acc + d, lda, p, ldp, rows + d, ld, n);
   }
   const int64_t blocks = (cols - d) / (2 * W);
-  if (blocks > 0) decode_gather_tail<T, Src, kGroup - 1>(blocks, acc + d, p, rows + d, ld, n);
+  if (blocks > 0) decode_gather_tail<T, Src, RB, kGroup - 1>(blocks, acc + d, lda, p, ldp, rows + d, ld, n);
   d += blocks * 2 * W;
-  if (d < cols) {  // one last vector: two chains over even and odd keys
-    Vec<T> a0 = Vec<T>::loadu(acc + d), a1(T(0));
+  for (int r = 0; d < cols && r < RB; ++r) {  // one last vector: two chains over even and odd keys
+    const T* pr = p + r * ldp;
+    T* ar = acc + r * lda + d;
+    Vec<T> a0 = Vec<T>::loadu(ar), a1(T(0));
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
-      a0 = at::vec::fmadd(Vec<T>(p[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
-      a1 = at::vec::fmadd(Vec<T>(p[j + 1]), RowLoad<Src, T>::single(rows + (j + 1) * ld + d), a1);
+      a0 = at::vec::fmadd(Vec<T>(pr[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
+      a1 = at::vec::fmadd(Vec<T>(pr[j + 1]), RowLoad<Src, T>::single(rows + (j + 1) * ld + d), a1);
     }
-    if (j < n) a0 = at::vec::fmadd(Vec<T>(p[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
-    (a0 + a1).store(acc + d);
+    if (j < n) a0 = at::vec::fmadd(Vec<T>(pr[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
+    (a0 + a1).store(ar);
   }
 }
 
@@ -634,29 +653,58 @@ struct DecodeRows {
   DecodeRows(int64_t rows, int64_t dhp) : q(rows * dhp), acc(rows * dhp), s(rows * kDecodeChunk), m(rows), l(rows) {}
 };
 
-// Keys [c0, c0 + n) of the chunk (rows of Src: in place, or packed as T) against every query row.
+// Keys [c0, c0 + n) of the chunk (rows of Src: in place, or packed as T) against every query row,
+// the rows taken up to 4 at a time.
 template <typename T, typename Src>
 inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int64_t dhp, const Src* k_rows,
                          int64_t k_ld, const Src* v_rows, int64_t v_ld, int64_t cols, int64_t c0, int64_t n,
                          const T* bias) {
   constexpr int64_t C = kDecodeChunk;
-  const int64_t n16 = kDots16<T> ? n / 16 * 16 : 0;  // keys taken 16 at a time
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* q = st.q.data() + r * dhp;
-    T* s = st.s.data() + r * C;
+  // Scores.
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
+    const T* q = st.q.data() + r0 * dhp;
+    T* s = st.s.data() + r0 * C;
+    int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
-    if constexpr (kDots16<T>) {
-      for (int64_t j = 0; j < n16; j += 16) decode_dot16(q, k_rows + j * k_ld, k_ld, cols, s + j);
+    if constexpr (kScores16<T>) {
+      const int64_t kb = 16 / rb;
+      for (; j + kb <= n; j += kb) {
+        const Src* x = k_rows + j * k_ld;
+        if (rb == 4) {
+          decode_scores16<Src, 4>(q, dhp, x, k_ld, cols, s + j, C);
+        } else if (rb == 2) {
+          decode_scores16<Src, 2>(q, dhp, x, k_ld, cols, s + j, C);
+        } else {
+          decode_scores16<Src, 1>(q, dhp, x, k_ld, cols, s + j, C);
+        }
+      }
     }
 #endif
-    for (int64_t j = n16; j < n; ++j) s[j] = decode_dot(q, k_rows + j * k_ld, cols);
+    for (; j < n; ++j)
+      for (int64_t r = 0; r < rb; ++r) s[r * C + j] = decode_dot(q + r * dhp, k_rows + j * k_ld, cols);
+    r0 += rb;
   }
+  // Online softmax per row.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t valid = std::clamp<int64_t>(p.key_end(r % p.tq) - c0, 0, n);
     T* acc = st.acc.data() + r * dhp;
     const T alpha = softmax_update_row(st.s.data() + r * C, valid, round_up(n, Vec<T>::size()), bias, st.m[r], st.l[r]);
     if (alpha != T(1)) at::vec::map([alpha](Vec<T> x) { return x * Vec<T>(alpha); }, acc, acc, dhp);
-    decode_gather(acc, st.s.data() + r * C, v_rows, v_ld, n, cols);
+  }
+  // Outputs.
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
+    T* acc = st.acc.data() + r0 * dhp;
+    const T* s = st.s.data() + r0 * C;
+    if (rb == 4) {
+      decode_gather<T, Src, 4>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    } else if (rb == 2) {
+      decode_gather<T, Src, 2>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    } else {
+      decode_gather<T, Src, 1>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    }
+    r0 += rb;
   }
 }
 
