@@ -342,6 +342,18 @@ def test_cpu_decode_bitwise_across_runs_and_thread_counts(dtype, tq, heads, kv_h
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+@torch.no_grad()
+def test_cpu_decode_long_cache_matches_reference():
+    """K/V beyond 32 MiB (the decode path then prefetches the next chunk's rows)."""
+    q = torch.randn(2, 1, 4, 64).transpose(1, 2)
+    k, v = (torch.randn(2, 2, 20100, 64)[:, :, :20000] for _ in range(2))
+    mask = torch.rand(2, 20000) > 0.1
+    out, lse = ak.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    expected, expected_lse = reference.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, expected_lse)
+
+
 def test_cpu_decode_nan_propagates_like_the_reference():
     q, k, v = decode_qkv(1, 4, 2, 2, 600, 16, torch.float32)
     q[0, 0, 1, 3] = float("nan")  # one query row
