@@ -325,7 +325,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 // s[0:valid] holds the row's scaled scores for the keys of the tile it may see;
 // columns [valid, width) are hidden from it. `bias` is the key-padding bias of
 // the tile's keys or null. Overwrites s[0:width] with exp(s - m_new) (0 where
-// hidden), updates the running max m and sum l, and returns exp(m_old - m_new),
+// hidden; zeros up to width rounded up to the vector width, within the row's
+// kAlign-padded buffer), updates the running max m and sum l, and returns exp(m_old - m_new),
 // the factor by which the row's output accumulator must be rescaled.
 template <typename T>
 inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T& m, T& l) {
@@ -333,7 +334,9 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   if (bias != nullptr) add_bias(s, bias, valid);
   const int64_t full = round_up(valid, W);  // within the row's kAlign-padded buffer
-  std::fill(s + valid, s + full, kNegInf);
+  if (full > valid) {  // one vector store: scalar stores read back by a vector load stall store forwarding
+    Vec<T>::set(Vec<T>(kNegInf), Vec<T>::loadu(s + full - W), valid - (full - W)).store(s + full - W);
+  }
   Vec<T> vmax(kNegInf);
   for (int64_t d = 0; d < full; d += W) vmax = at::vec::maximum(vmax, Vec<T>::loadu(s + d));
   const T m_new = max_propagating_nan(m, reduce_max(vmax));
@@ -350,8 +353,8 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
     e.store(s + d);
     vsum = vsum + e;
   }
-  if (width > full) std::fill(s + full, s + width, T(0));
-  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);  // the max rarely moves after the first tiles
+  for (int64_t d = full; d < width; d += W) Vec<T>(T(0)).store(s + d);  // up to width rounded up to W
+  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);             // the max rarely moves after the first tiles
   l = l * alpha + reduce_sum(vsum);
   m = m_new;
   return alpha;
