@@ -309,37 +309,42 @@ def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) ->
 
 
 def check_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float | None) -> float:
-    """Checks the arguments of an attention call (DESIGN.md §2.4); returns the scale."""
+    """Checks the arguments of an attention call (DESIGN.md §2.4); returns the scale.
+
+    Runs before every decode step's attention: each tensor property is read once."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"`{name}` must be a tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"`{name}` must be 4-D [B, heads, T, Dh], got shape {tuple(t.shape)}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"`q` has dtype {q.dtype}; supported: float16, bfloat16, float32, float64")
+    dtype, device = q.dtype, q.device
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"`q` has dtype {dtype}; supported: float16, bfloat16, float32, float64")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"`{name}` has dtype {t.dtype} but `q` is {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"`{name}` is on {t.device} but `q` is on {q.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"`k` and `v` must have one shape [B, Hkv, Tk, Dh], got {tuple(k.shape)}, {tuple(v.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"`{name}` has dtype {t.dtype} but `q` is {dtype}")
+        if t.device != device:
+            raise ValueError(f"`{name}` is on {t.device} but `q` is on {device}")
+    k_shape = k.shape
+    if k_shape != v.shape:
+        raise ValueError(f"`k` and `v` must have one shape [B, Hkv, Tk, Dh], got {tuple(k_shape)}, {tuple(v.shape)}")
     b, h, _, dh = q.shape
-    if k.shape[0] != b or k.shape[3] != dh:
-        raise ValueError(f"`k`/`v` {tuple(k.shape)} do not match `q` {tuple(q.shape)} in batch size or head size")
+    kb, hkv, tk, k_dh = k_shape
+    if kb != b or k_dh != dh:
+        raise ValueError(f"`k`/`v` {tuple(k_shape)} do not match `q` {tuple(q.shape)} in batch size or head size")
     if dh == 0:
         raise ValueError("head size Dh = 0")
-    if k.shape[1] == 0 or h % k.shape[1] != 0:
-        raise ValueError(f"query heads H = {h} must be a multiple of key/value heads Hkv = {k.shape[1]}")
+    if hkv == 0 or h % hkv != 0:
+        raise ValueError(f"query heads H = {h} must be a multiple of key/value heads Hkv = {hkv}")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
             raise TypeError("`key_padding_mask` must be a bool tensor [B, Tk] (True = a real key)")
-        if tuple(key_padding_mask.shape) != (b, k.shape[2]):
+        if tuple(key_padding_mask.shape) != (b, tk):
             raise ValueError(
-                f"`key_padding_mask` must have shape [B, Tk] = {(b, k.shape[2])}, got {tuple(key_padding_mask.shape)}"
+                f"`key_padding_mask` must have shape [B, Tk] = {(b, tk)}, got {tuple(key_padding_mask.shape)}"
             )
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"`key_padding_mask` is on {key_padding_mask.device} but `q` is on {q.device}")
+        if key_padding_mask.device != device:
+            raise ValueError(f"`key_padding_mask` is on {key_padding_mask.device} but `q` is on {device}")
     if scale is None:
         return dh**-0.5
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):

@@ -15,7 +15,9 @@ attention backends to compare (default ``auto``, the C++ kernels on CPU, and
 Tokens/s counts the new tokens of all sequences (``B * new``) over the whole
 generation, prefill included. Every (model, B, mode) runs once per round,
 round-robin, so load on the shared machine hits all alike; the table gives the
-median over the rounds and, in brackets, the slowest and fastest. With 1 thread
+median over the rounds and, in brackets, the slowest and fastest; with several
+attention backends a second table gives each one's tokens/s over the last one's
+(``sdpa`` by default) round by round, the load average beside both. With 1 thread
 (default) a run is timed by the CPU time of the thread (``time.thread_time``),
 which waiting for a core does not inflate; ``--threads N`` (N > 1) times wall
 clock. Both modes must produce the same tokens (checked once per case). The
@@ -76,7 +78,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--prompt", type=int, default=32, help="prompt length")
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warmup round)")
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (after one warmup round)")
     parser.add_argument("--backend", default="auto", choices=ak.BACKENDS)
     parser.add_argument("--attention", nargs="+", default=["auto", "sdpa"], help="attention backends of the models")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: thread CPU time)")
@@ -95,6 +97,7 @@ def main(argv=None) -> None:
             runs[(case, b, "no cache")] = lambda m=model, p=prompt: generate_without_cache(m, p, args.new)
 
     times = {key: [] for key in runs}
+    load_before = os.getloadavg()
     rounds = range(args.repeats + 1)
     with torch.no_grad():
         for case in models:  # both modes must decode the same tokens
@@ -118,7 +121,8 @@ def main(argv=None) -> None:
         f"vocab {CONFIG['vocab_size']}, Block {LAYERS_PER_BLOCK} layers per block; prompt {args.prompt}, "
         f"{args.new} new tokens; depth-read backend {args.backend!r}, "
         f"{args.threads} thread(s); median [min, max] of {args.repeats} rounds; tokens/s = B x new tokens / "
-        "total time incl. prefill.",
+        f"total time incl. prefill. Load average (1, 5, 15 min) before: {', '.join(f'{x:.2f}' for x in load_before)}; "
+        f"after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}.",
         "",
         "| model | attention | B | with cache (tok/s) | without cache (tok/s) | speedup |",
         "|---|---|---|---|---|---|",
@@ -131,6 +135,28 @@ def main(argv=None) -> None:
                 f"| {name} | {attention} | {b} | {cached[0]:.0f} [{cached[1]:.0f}, {cached[2]:.0f}] | "
                 f"{uncached[0]:.0f} [{uncached[1]:.0f}, {uncached[2]:.0f}] | {cached[0] / uncached[0]:.2f}x |"
             )
+    attentions = list(dict.fromkeys(att for _, att in models))
+    if len(attentions) > 1:  # each backend against the last one, round by round (the same load hit both)
+        last = attentions[-1]
+        lines += [
+            "",
+            f"Paired: tokens/s of each attention backend / tokens/s of {last!r} in the same round (median [min, max] "
+            "over the rounds; > 1: faster).",
+            "",
+            "| model | attention | B | with cache | without cache |",
+            "|---|---|---|---|---|",
+        ]
+        for att in attentions[:-1]:
+            for name in args.models:
+                for b in prompts:
+                    cells = []
+                    for mode in ("cache", "no cache"):
+                        ratios = [
+                            base / mine
+                            for mine, base in zip(times[((name, att), b, mode)], times[((name, last), b, mode)])
+                        ]
+                        cells.append(f"{statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}]")
+                    lines.append(f"| {name} | {att} | {b} | {cells[0]} | {cells[1]} |")
     table = "\n".join(lines)
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)

@@ -276,6 +276,113 @@ def test_cpu_bitwise_deterministic_across_runs_and_thread_counts(dtype, batch, h
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+# ---------------------------------------------------------------- the CPU decode path
+#
+# A few query rows per kv head (G · Tq <= 16, attention_cpu.cpp's decode_forward) against
+# many keys: each kv head's rows read its keys once, key spans of 256 merged by their lse.
+
+DECODE_EVENT = "attnres::attn_fwd_decode"  # recorded by the C++ decode path (seen by the profiler)
+
+
+def decode_qkv(batch, heads, kv_heads, tq, tk, dh, dtype):
+    """Shaped as the decode cache passes them: q a head view of ``[B, Tq, H, Dh]``, k and v
+    the first Tk positions of preallocated ``[B, Hkv, Tk + 5, Dh]`` buffers."""
+    q = torch.randn(batch, tq, heads, dh, dtype=torch.float64).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(batch, kv_heads, tk + 5, dh, dtype=torch.float64).to(dtype)[:, :, :tk] for _ in range(2))
+    return q, k, v
+
+
+DECODE_CASES = {  # tq, tk, heads, kv_heads, dh
+    "one-query-3-spans": (1, 700, 2, 2, 64),
+    "gqa4-2-spans": (1, 513, 8, 2, 80),
+    "odd-dh": (3, 300, 2, 1, 7),
+    "16-rows-5-spans": (4, 1030, 4, 1, 48),
+    "chunk-dh96": (2, 64, 2, 2, 96),
+    "one-key": (1, 1, 2, 1, 16),
+    "rows-without-keys": (4, 2, 2, 2, 32),  # causal: queries 0-1 see no key
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=list(DECODE_CASES))
+@pytest.mark.parametrize("causal,masked", [(True, False), (True, True), (False, True)])
+def test_cpu_decode_path_matches_reference(dtype, case, causal, masked):
+    tq, tk, heads, kv_heads, dh = DECODE_CASES[case]
+    q, k, v = decode_qkv(2, heads, kv_heads, tq, tk, dh, dtype)
+    mask = make_mask(2, tk) if masked else None  # batch 1: every key padded
+    assert DECODE_EVENT in attnres_ops_called(lambda: ak.attention(q, k, v, causal=causal, key_padding_mask=mask))
+    compare("cpu", q, k, v, causal, mask, scale=0.3 if dh == 7 else None)  # forward and the backward
+
+
+def test_cpu_decode_path_is_taken_for_few_rows_only():
+    for tq, heads, kv_heads, expected in [(1, 4, 4, True), (1, 16, 1, True), (4, 8, 2, True), (17, 2, 2, False)]:
+        q, k, v = decode_qkv(1, heads, kv_heads, tq, 40, 16, torch.float32)
+        assert (DECODE_EVENT in attnres_ops_called(lambda: ak.attention(q, k, v))) == expected, (tq, heads, kv_heads)
+    q, k, v = decode_qkv(1, 17, 1, 1, 40, 16, torch.float32)  # 17 query heads per kv head
+    assert DECODE_EVENT not in attnres_ops_called(lambda: ak.attention(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("tq,heads,kv_heads,dh", [(1, 8, 8, 64), (1, 8, 2, 64), (3, 4, 1, 40), (2, 2, 2, 7)])
+def test_cpu_decode_bitwise_across_runs_and_thread_counts(dtype, tq, heads, kv_heads, dh):
+    """Key spans are fixed by Tk and merged in one order: 1 and 2 threads give the same bits."""
+    q, k, v = decode_qkv(3, heads, kv_heads, tq, 1300, dh, dtype)
+    mask = torch.rand(3, 1300) > 0.2
+    mask[1, 256:] = False  # batch 1 sees the first span only
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (2, 2, 1):
+            torch.set_num_threads(threads)
+            results.append(_forward_backward("cpu", q, k, v, mask, True))
+    finally:
+        torch.set_num_threads(previous)
+    assert DECODE_EVENT in attnres_ops_called(lambda: ak.attention(q, k, v, key_padding_mask=mask))
+    for a, b, c in zip(*results):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@torch.no_grad()
+def test_cpu_decode_long_cache_matches_reference():
+    """K/V beyond 32 MiB (the decode path then prefetches the next chunk's rows)."""
+    q = torch.randn(2, 1, 4, 64).transpose(1, 2)
+    k, v = (torch.randn(2, 2, 20100, 64)[:, :, :20000] for _ in range(2))
+    mask = torch.rand(2, 20000) > 0.1
+    out, lse = ak.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    expected, expected_lse = reference.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(lse, expected_lse)
+
+
+def test_cpu_decode_nan_propagates_like_the_reference():
+    q, k, v = decode_qkv(1, 4, 2, 2, 600, 16, torch.float32)
+    q[0, 0, 1, 3] = float("nan")  # one query row
+    k[0, 1, 500, 0] = float("nan")  # one key in the second kv head's last span: heads 2-3 read it
+    out, lse = ak.attention(q, k, v, return_lse=True)
+    expected, expected_lse = reference.attention(q, k, v, return_lse=True)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected)) and bool(torch.isnan(out[0, 2:]).all())
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    torch.testing.assert_close(lse, expected_lse, equal_nan=True)
+
+
+def test_cpu_decode_gradcheck_fp64():
+    """Decode shapes (one or two queries, GQA, keys over two spans, padding) through the
+    decode forward and the tile backward."""
+    q = torch.randn(1, 4, 2, 3, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 260, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.rand(1, 260) > 0.3
+
+    def fn(q, k, v):
+        return ak.attention(q, k, v, key_padding_mask=mask, return_lse=True)
+
+    def one_query(q, k, v):
+        return ak.attention(q[:, :, :1], k, v, scale=0.7, return_lse=True)
+
+    assert DECODE_EVENT in attnres_ops_called(lambda: fn(q, k, v))
+    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradcheck(one_query, (q, k, v))
+
+
 def test_cpu_compile_fullgraph_matches_eager():
     q, k, v = make_qkv(2, 4, 2, 9, 11, 16, torch.float32)
     mask = torch.rand(2, 11) > 0.2

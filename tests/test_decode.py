@@ -126,6 +126,7 @@ def test_cpu_decode_step_runs_the_fused_kernels():
     model(idx[:, :5], cache=cache)
     called = attnres_ops_called(lambda: model(idx[:, 5:], cache=cache))
     assert "attnres::attn_fwd" in called and "attnres::depth_attn_fwd" in called, called
+    assert "attnres::attn_fwd_decode" in called, called  # one query per head: the C++ decode path
 
 
 @torch.no_grad()

@@ -22,6 +22,10 @@ from ._registration import register_native_attention_ops
 if _native.defines("attn_fwd"):
     register_native_attention_ops()
 
+# What "auto" and "cpu" resolve to on CPU tensors with Dh <= MAX_HEAD_DIM when the extension has the CPU
+# kernel: known at import, so that a call (a decode step is a few µs of kernel) skips the resolution.
+_CPU_OP = torch.ops.attnres.attn_fwd.default if _native.has_kernel("attn_fwd", "cpu") else None
+
 
 # Whether the Triton backend defines attnres_triton::attn_fwd; looked up on first use
 # (importing the Triton ops loads Triton) and then read as a plain global.
@@ -84,6 +88,9 @@ def attention(
     reference (with a one-time warning) beyond that. Double backward is exact: it
     runs through the reference."""
     scale = check_attention(q, k, v, key_padding_mask, scale)
+    if _CPU_OP is not None and q.is_cpu and (backend == "auto" or backend == "cpu") and q.shape[-1] <= MAX_HEAD_DIM:
+        out, lse = _CPU_OP(q, k, v, key_padding_mask, bool(causal), scale)
+        return (out, lse) if return_lse else out
     chosen = resolve_backend(backend, q.device, q.shape[-1])
     if chosen == "reference":
         return reference.attention(

@@ -99,6 +99,12 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 
 std::tuple<Tensor, Tensor> attn_fwd_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const OptTensor& key_padding_mask, bool causal, double scale) {
+  if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    // Nothing to differentiate (inference, a decode step): the kernel alone, no graph node.
+    static const auto fwd = find_op<FwdSignature>("attnres::attn_fwd");
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return fwd.call(q, k, v, key_padding_mask, causal, scale);
+  }
   const variable_list out = AttentionFunction::apply(q, k, v, key_padding_mask, causal, scale);
   return {out[0], out[1]};
 }

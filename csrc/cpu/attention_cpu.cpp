@@ -32,6 +32,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -324,7 +325,8 @@ inline void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, c
 // s[0:valid] holds the row's scaled scores for the keys of the tile it may see;
 // columns [valid, width) are hidden from it. `bias` is the key-padding bias of
 // the tile's keys or null. Overwrites s[0:width] with exp(s - m_new) (0 where
-// hidden), updates the running max m and sum l, and returns exp(m_old - m_new),
+// hidden; zeros up to width rounded up to the vector width, within the row's
+// kAlign-padded buffer), updates the running max m and sum l, and returns exp(m_old - m_new),
 // the factor by which the row's output accumulator must be rescaled.
 template <typename T>
 inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T& m, T& l) {
@@ -332,7 +334,9 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   if (bias != nullptr) add_bias(s, bias, valid);
   const int64_t full = round_up(valid, W);  // within the row's kAlign-padded buffer
-  std::fill(s + valid, s + full, kNegInf);
+  if (full > valid) {  // one vector store: scalar stores read back by a vector load stall store forwarding
+    Vec<T>::set(Vec<T>(kNegInf), Vec<T>::loadu(s + full - W), valid - (full - W)).store(s + full - W);
+  }
   Vec<T> vmax(kNegInf);
   for (int64_t d = 0; d < full; d += W) vmax = at::vec::maximum(vmax, Vec<T>::loadu(s + d));
   const T m_new = max_propagating_nan(m, reduce_max(vmax));
@@ -349,8 +353,8 @@ inline T softmax_update_row(T* s, int64_t valid, int64_t width, const T* bias, T
     e.store(s + d);
     vsum = vsum + e;
   }
-  if (width > full) std::fill(s + full, s + width, T(0));
-  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);  // the max rarely moves after the first tiles
+  for (int64_t d = full; d < width; d += W) Vec<T>(T(0)).store(s + d);  // up to width rounded up to W
+  const T alpha = m_new == m ? T(1) : std::exp(m - m_safe);             // the max rarely moves after the first tiles
   l = l * alpha + reduce_sum(vsum);
   m = m_new;
   return alpha;
@@ -423,6 +427,425 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
         lse_data[row] = l[r] == T(0) ? kNegInf : m[r] + std::log(l[r]);
         store_row(acc.data() + r * dhp, dh, inv, out_data + row * dh);
       }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- decode forward
+//
+// A few query rows against many keys (a decode step: Tq = 1 or a short chunk,
+// over a long cache). The tiles above would re-read every key and value row
+// once per query head, transpose each key tile and run GEMMs one row tall (the
+// profile of a decode step: the key transposes and 1-row GEMMs took most of the
+// time, at a third of SDPA's speed). Here a program owns the R = G · Tq query
+// rows of one kv head (all G query heads that share it, all Tq queries) and one
+// span of kDecodeSplit keys, and reads each key and value row of the span once:
+// scores are dot products over Dh, up to 4 query rows per loaded key vector and
+// 16 (row, key) sums reduced together; online softmax per chunk of kDecodeChunk
+// keys; the output accumulators of up to 4 rows gather each loaded value
+// vector. Rows are read in place in their own dtype when they are whole vectors
+// (converted to fp32 as they are loaded); with more than kDecodeDirectRows
+// query rows, half/bf16 rows are converted once per chunk into a buffer
+// instead. Programs of one kv head that got different spans write their (max,
+// sum, accumulator), and a second pass merges them by their max in ascending
+// span order. The spans depend on Tk alone, so the result does not depend on the
+// number of threads; a kv head whose keys fit one span writes its output
+// directly. The saved lse and output are those of the tile path, so the
+// backward (tiles, below) serves both.
+
+constexpr int64_t kDecodeMaxRows = 16;    // at most G · Tq query rows per kv head take this path
+constexpr int64_t kDecodeDirectRows = 4;  // up to this many rows convert half/bf16 rows where they are used
+constexpr int64_t kDecodeChunk = 64;      // keys per online-softmax step
+constexpr int64_t kDecodeSplit = 256;     // keys per program (a multiple of kDecodeChunk)
+constexpr int64_t kDecodePrefetchBytes = int64_t(32) << 20;  // K/V of a call beyond this: prefetched
+constexpr int64_t kDecodeGrain = 1 << 16;                    // multiply-adds per thread at least (see decode_forward)
+
+inline bool use_decode_path(const Problem& p) { return p.tq >= 1 && p.group * p.tq <= kDecodeMaxRows; }
+
+// Loads of a row of Src as vectors of T: blocks of 2W elements (W = Vec<T>::size())
+// as two vectors, a last single vector on its own. Blocks of bf16 (with AVX512)
+// come out as (even elements, odd elements): two integer ops per block, no
+// cross-lane widening. The dot products and the output accumulator only need
+// q, the keys, the values and the accumulator in one order (see decode_position).
+template <typename Src, typename T>
+struct RowLoad {
+  static constexpr bool kPermuted = false;
+  static void block(const Src* p, Vec<T>& a, Vec<T>& b) {
+    if constexpr (std::is_same_v<Src, T>) {
+      a = Vec<T>::loadu(p);
+      b = Vec<T>::loadu(p + Vec<T>::size());
+    } else {
+      at::vec::load_to_float<Src>(p, a);
+      at::vec::load_to_float<Src>(p + Vec<T>::size(), b);
+    }
+  }
+  static Vec<T> single(const Src* p) {
+    if constexpr (std::is_same_v<Src, T>) {
+      return Vec<T>::loadu(p);
+    } else {
+      Vec<T> a;
+      at::vec::load_to_float<Src>(p, a);
+      return a;
+    }
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+struct RowLoad<c10::BFloat16, float> {
+  static constexpr bool kPermuted = true;
+  static void block(const c10::BFloat16* p, Vec<float>& even, Vec<float>& odd) {
+    const __m512i x = _mm512_loadu_si512(p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+  }
+  static Vec<float> single(const c10::BFloat16* p) {
+    Vec<float> a;
+    at::vec::load_to_float<c10::BFloat16>(p, a);
+    return a;
+  }
+};
+#endif
+
+// Where element e of a row of `cols` columns lands when loaded by RowLoad<Src, T>.
+template <typename Src, typename T>
+inline int64_t decode_position(int64_t e, int64_t cols) {
+  constexpr int64_t W = Vec<T>::size();
+  if (!RowLoad<Src, T>::kPermuted || e >= cols / (2 * W) * (2 * W)) return e;
+  const int64_t i = e % (2 * W);
+  return e - i + (i % 2) * W + i / 2;
+}
+
+// <q[0:cols], x[0:cols]> (cols a multiple of W), x loaded by RowLoad<Src, T>.
+template <typename T, typename Src>
+inline T decode_dot(const T* q, const Src* x, int64_t cols) {
+  constexpr int64_t W = Vec<T>::size();
+  Vec<T> s0(T(0)), s1(T(0)), a, b;
+  int64_t d = 0;
+  for (; d + 2 * W <= cols; d += 2 * W) {
+    RowLoad<Src, T>::block(x + d, a, b);
+    s0 = at::vec::fmadd(Vec<T>::loadu(q + d), a, s0);
+    s1 = at::vec::fmadd(Vec<T>::loadu(q + d + W), b, s1);
+  }
+  if (d < cols) s0 = at::vec::fmadd(Vec<T>::loadu(q + d), RowLoad<Src, T>::single(x + d), s0);
+  return reduce_sum(s0 + s1);
+}
+
+// Whether scores of T rows are taken 16 (row, key) pairs at a time (decode_scores16).
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename T>
+constexpr bool kScores16 = std::is_same_v<T, float>;
+#else
+template <typename T>
+constexpr bool kScores16 = false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+// s[r · lds + j] = <q_r[0:cols], x_j[0:cols]> for RB query rows q_r = q + r · ldq and 16 / RB key rows
+// x_j = x + j · ld (cols a multiple of 16): each key vector is loaded once for the RB rows, one
+// accumulator per (row, key), then one shuffle-and-add tree for the 16 horizontal sums (45 ops
+// instead of 16 separate reductions).
+template <typename Src, int RB>
+inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t ld, int64_t cols, float* s,
+                            int64_t lds) {
+  constexpr int64_t W = 16;
+  constexpr int KB = 16 / RB;
+  __m512 acc[16];
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 2 * W <= cols; d += 2 * W) {
+    __m512 q0[RB], q1[RB];
+    for (int r = 0; r < RB; ++r) {
+      q0[r] = _mm512_loadu_ps(q + r * ldq + d);
+      q1[r] = _mm512_loadu_ps(q + r * ldq + d + W);
+    }
+    for (int j = 0; j < KB; ++j) {
+      Vec<float> a, b;
+      RowLoad<Src, float>::block(x + j * ld + d, a, b);
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(q1[r], b, _mm512_fmadd_ps(q0[r], a, acc[r * KB + j]));
+    }
+  }
+  if (d < cols) {
+    for (int j = 0; j < KB; ++j) {
+      const __m512 a = RowLoad<Src, float>::single(x + j * ld + d);
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * ldq + d), a, acc[r * KB + j]);
+    }
+  }
+  // Pairs: per 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3).
+  __m512 c[8];
+  for (int i = 0; i < 8; ++i) {
+    c[i] =
+        _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
+  }
+  // Quads: per 128-bit lane the partial sums of accumulators 4i..4i+3 in order.
+  __m512 e[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x0 = _mm512_castps_pd(c[2 * i]), x1 = _mm512_castps_pd(c[2 * i + 1]);
+    e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)), _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
+  }
+  // Across the 128-bit lanes: (lanes 0+1, lanes 2+3) of two quads, twice.
+  const auto fold = [](__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+  };
+  alignas(64) float out[16];
+  _mm512_store_ps(out, fold(fold(e[0], e[1]), fold(e[2], e[3])));
+  for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
+}
+#endif
+
+// acc_r[0:NB·2W] += Σ_j p_r[j] · rows[j · ld + (0:NB·2W)] over j < n for RB rows (acc_r = acc + r · lda,
+// p_r = p + r · ldp): each value vector is loaded once for the RB rows, the accumulators kept in registers.
+template <typename T, typename Src, int RB, int NB>
+inline void decode_gather_blocks(T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows, int64_t ld, int64_t n) {
+  constexpr int64_t W = Vec<T>::size();
+  Vec<T> a[RB][2 * NB], x[2 * NB];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * NB; ++i) a[r][i] = Vec<T>::loadu(acc + r * lda + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const Src* row = rows + j * ld;
+    for (int i = 0; i < NB; ++i) RowLoad<Src, T>::block(row + 2 * i * W, x[2 * i], x[2 * i + 1]);
+    for (int r = 0; r < RB; ++r) {
+      const Vec<T> pj(p[r * ldp + j]);
+      for (int i = 0; i < 2 * NB; ++i) a[r][i] = at::vec::fmadd(pj, x[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < 2 * NB; ++i) a[r][i].store(acc + r * lda + i * W);
+}
+
+// decode_gather_blocks for the last `blocks` (< NB) blocks of the rows.
+template <typename T, typename Src, int RB, int NB>
+inline void decode_gather_tail(int64_t blocks, T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows,
+                               int64_t ld, int64_t n) {
+  if constexpr (NB > 0) {
+    if (blocks == NB) return decode_gather_blocks<T, Src, RB, NB>(acc, lda, p, ldp, rows, ld, n);
+    decode_gather_tail<T, Src, RB, NB - 1>(blocks, acc, lda, p, ldp, rows, ld, n);
+  }
+}
+
+// acc_r[0:cols] += Σ_j p_r[j] · rows[j · ld + (0:cols)] over j < n for RB rows (cols a multiple of W).
+template <typename T, typename Src, int RB>
+inline void decode_gather(T* acc, int64_t lda, const T* p, int64_t ldp, const Src* rows, int64_t ld, int64_t n,
+                          int64_t cols) {
+  constexpr int64_t W = Vec<T>::size();
+  constexpr int kGroup = (sizeof(Vec<T>) >= 64 ? 8 : 4) / RB;  // blocks per pass: 16 (8) accumulators
+  int64_t d = 0;
+  for (; d + 2 * kGroup * W <= cols; d += 2 * kGroup * W) {
+    decode_gather_blocks<T, Src, RB, kGroup>(acc + d, lda, p, ldp, rows + d, ld, n);
+  }
+  const int64_t blocks = (cols - d) / (2 * W);
+  if (blocks > 0) decode_gather_tail<T, Src, RB, kGroup - 1>(blocks, acc + d, lda, p, ldp, rows + d, ld, n);
+  d += blocks * 2 * W;
+  for (int r = 0; d < cols && r < RB; ++r) {  // one last vector: two chains over even and odd keys
+    const T* pr = p + r * ldp;
+    T* ar = acc + r * lda + d;
+    Vec<T> a0 = Vec<T>::loadu(ar), a1(T(0));
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      a0 = at::vec::fmadd(Vec<T>(pr[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
+      a1 = at::vec::fmadd(Vec<T>(pr[j + 1]), RowLoad<Src, T>::single(rows + (j + 1) * ld + d), a1);
+    }
+    if (j < n) a0 = at::vec::fmadd(Vec<T>(pr[j]), RowLoad<Src, T>::single(rows + j * ld + d), a0);
+    (a0 + a1).store(ar);
+  }
+}
+
+// The per-thread state of decode programs: R query rows (scaled, in the order
+// RowLoad<Src, T> loads rows), their accumulators, scores of one chunk, running
+// max and sum; `cols` columns are read (Dh, or Dh padded when packed).
+template <typename T>
+struct DecodeRows {
+  std::vector<T> q, acc, s, m, l;
+  DecodeRows(int64_t rows, int64_t dhp) : q(rows * dhp), acc(rows * dhp), s(rows * kDecodeChunk), m(rows), l(rows) {}
+};
+
+// Keys [c0, c0 + n) of the chunk (rows of Src: in place, or packed as T) against every query row,
+// the rows taken up to 4 at a time.
+template <typename T, typename Src>
+inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int64_t dhp, const Src* k_rows,
+                         int64_t k_ld, const Src* v_rows, int64_t v_ld, int64_t cols, int64_t c0, int64_t n,
+                         const T* bias, bool prefetch) {
+  constexpr int64_t C = kDecodeChunk, kLine = 64 / sizeof(Src);
+  // Scores.
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
+    const T* q = st.q.data() + r0 * dhp;
+    T* s = st.s.data() + r0 * C;
+    int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kScores16<T>) {
+      const int64_t kb = 16 / rb;
+      for (; j + kb <= n; j += kb) {
+        const Src* x = k_rows + j * k_ld;
+        if (prefetch && r0 == 0) {  // the next chunk's keys and values (a prefetch never faults)
+          for (int64_t jj = j + C; jj < j + C + kb; ++jj) {
+            for (int64_t d = 0; d < cols; d += kLine) {
+              __builtin_prefetch(k_rows + jj * k_ld + d);
+              __builtin_prefetch(v_rows + jj * v_ld + d);
+            }
+          }
+        }
+        if (rb == 4) {
+          decode_scores16<Src, 4>(q, dhp, x, k_ld, cols, s + j, C);
+        } else if (rb == 2) {
+          decode_scores16<Src, 2>(q, dhp, x, k_ld, cols, s + j, C);
+        } else {
+          decode_scores16<Src, 1>(q, dhp, x, k_ld, cols, s + j, C);
+        }
+      }
+    }
+#endif
+    for (; j < n; ++j)
+      for (int64_t r = 0; r < rb; ++r) s[r * C + j] = decode_dot(q + r * dhp, k_rows + j * k_ld, cols);
+    r0 += rb;
+  }
+  // Online softmax per row.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t valid = std::clamp<int64_t>(p.key_end(r % p.tq) - c0, 0, n);
+    T* acc = st.acc.data() + r * dhp;
+    const T alpha = softmax_update_row(st.s.data() + r * C, valid, round_up(n, Vec<T>::size()), bias, st.m[r], st.l[r]);
+    if (alpha != T(1)) at::vec::map([alpha](Vec<T> x) { return x * Vec<T>(alpha); }, acc, acc, dhp);
+  }
+  // Outputs.
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
+    T* acc = st.acc.data() + r0 * dhp;
+    const T* s = st.s.data() + r0 * C;
+    if (rb == 4) {
+      decode_gather<T, Src, 4>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    } else if (rb == 2) {
+      decode_gather<T, Src, 2>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    } else {
+      decode_gather<T, Src, 1>(acc, dhp, s, C, v_rows, v_ld, n, cols);
+    }
+    r0 += rb;
+  }
+}
+
+template <typename scalar_t>
+void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                    const at::Tensor& bias_t, at::Tensor& out, at::Tensor& lse) {
+  using T = at::opmath_type<scalar_t>;
+  constexpr int64_t W = Vec<T>::size(), C = kDecodeChunk;
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  RECORD_FUNCTION("attnres::attn_fwd_decode", std::vector<c10::IValue>());
+  const auto Q = head_rows<scalar_t>(q), K = head_rows<scalar_t>(k), V = head_rows<scalar_t>(v);
+  const T* key_bias = bias_t.defined() ? bias_t.const_data_ptr<T>() : nullptr;
+  scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+  T* lse_data = lse.mutable_data_ptr<T>();
+  const int64_t dh = p.dh, dhp = p.dh_padded, rows = p.group * p.tq;
+  const T scale = static_cast<T>(p.scale);
+  const int64_t kv_len = p.key_end(p.tq - 1);  // no query sees a key beyond
+  const int64_t splits = std::max<int64_t>(ceil_div(kv_len, kDecodeSplit), 1), units = p.batch * p.kv_heads;
+  // How key/value rows are read: in place as scalar_t (whole vectors; fp32/fp64 always, half/bf16 with
+  // few query rows), else packed per chunk into T rows (converted by RowLoad when whole vectors, so in
+  // the same order, else zero-padded to dhp in element order).
+  const bool whole = dh % W == 0;
+  const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows);
+  const bool permuted = whole && RowLoad<scalar_t, T>::kPermuted;
+  const int64_t cols = whole ? dh : dhp;
+  const auto position = [&](int64_t e) { return permuted ? decode_position<scalar_t, T>(e, dh) : e; };
+  const int64_t kv_bytes = 2 * units * p.tk * dh * static_cast<int64_t>(sizeof(scalar_t));
+  // Caches that come from memory rather than a cache level: ask for the next chunk's rows ahead (measured
+  // 14-16 % faster at 67-134 MB, 5-9 % slower at 16-32 MB, where the hardware prefetch suffices).
+  const bool prefetch = in_place && kv_bytes > kDecodePrefetchBytes;
+  std::vector<T> part_ml(splits > 1 ? units * splits * rows * 2 : 0);
+  std::vector<T> part_acc(splits > 1 ? units * splits * rows * dhp : 0);
+
+  // Writes the output row and lse of query row r (= g · Tq + t) of kv head (b, hk) from its
+  // accumulator acc[0:dhp] (in load order), running max m and sum l; tmp: dhp values.
+  const auto finish_row = [&](int64_t b, int64_t hk, int64_t r, const T* acc, T m, T l, T* tmp) {
+    const int64_t row = (b * p.heads + hk * p.group + r / p.tq) * p.tq + r % p.tq;
+    lse_data[row] = l == T(0) ? kNegInf : m + std::log(l);
+    for (int64_t e = 0; e < dh; ++e) tmp[e] = acc[position(e)];
+    store_row(tmp, dh, l == T(0) ? T(0) : T(1) / l, out_data + row * dh);  // no visible key: output 0
+  };
+
+  // Packs n rows starting at x.row(b, h, c0) as T rows of dhp columns in load order.
+  const auto pack = [&](const HeadRows<scalar_t>& x, int64_t b, int64_t h, int64_t c0, int64_t n, T* buf) {
+    if (!whole) return load_rows(x, b, h, c0, n, dh, T(1), buf, dhp);
+    for (int64_t j = 0; j < n; ++j) {
+      const scalar_t* src = x.row(b, h, c0 + j);
+      T* dst = buf + j * dhp;
+      int64_t d = 0;
+      Vec<T> a, c;
+      for (; d + 2 * W <= dh; d += 2 * W) {
+        RowLoad<scalar_t, T>::block(src + d, a, c);
+        a.store(dst + d);
+        c.store(dst + d + W);
+      }
+      if (d < dh) RowLoad<scalar_t, T>::single(src + d).store(dst + d);
+    }
+  };
+
+  // Items of about kDecodeGrain multiply-adds or more per thread: a short step runs on one thread
+  // (forking costs more than its work).
+  const int64_t item_work = std::min(kv_len, kDecodeSplit) * rows * dh;
+  const int64_t grain = std::max<int64_t>(1, ceil_div(kDecodeGrain, std::max<int64_t>(item_work, 1)));
+  at::parallel_for(0, units * splits, grain, [&](int64_t begin, int64_t end) {
+    DecodeRows<T> st(rows, dhp);
+    std::vector<T> kbuf(in_place ? 0 : C * dhp), vbuf(in_place ? 0 : C * dhp), tmp(dhp);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t unit = item / splits, split = item % splits, b = unit / p.kv_heads, hk = unit % p.kv_heads;
+      for (int64_t r = 0; r < rows; ++r) {
+        load_row(Q.row(b, hk * p.group + r / p.tq, r % p.tq), dh, scale, tmp.data(), dhp);
+        T* qr = st.q.data() + r * dhp;
+        for (int64_t e = 0; e < dhp; ++e) qr[position(e)] = tmp[e];  // padding columns are 0
+      }
+      std::fill(st.acc.begin(), st.acc.end(), T(0));
+      std::fill(st.m.begin(), st.m.end(), kNegInf);
+      std::fill(st.l.begin(), st.l.end(), T(0));
+      const int64_t k_end = std::min((split + 1) * kDecodeSplit, kv_len);
+      for (int64_t c0 = split * kDecodeSplit; c0 < k_end; c0 += C) {
+        const int64_t n = std::min(C, k_end - c0);
+        const T* bias = key_bias != nullptr ? key_bias + b * p.tk + c0 : nullptr;
+        if (in_place) {
+          decode_chunk(p, st, rows, dhp, K.row(b, hk, c0), K.stride_t, V.row(b, hk, c0), V.stride_t, cols, c0, n, bias,
+                       prefetch);
+        } else {
+          pack(K, b, hk, c0, n, kbuf.data());
+          pack(V, b, hk, c0, n, vbuf.data());
+          decode_chunk(p, st, rows, dhp, kbuf.data(), dhp, vbuf.data(), dhp, cols, c0, n, bias, false);
+        }
+      }
+      if (splits == 1) {
+        for (int64_t r = 0; r < rows; ++r) {
+          finish_row(b, hk, r, st.acc.data() + r * dhp, st.m[r], st.l[r], tmp.data());
+        }
+        continue;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        part_ml[(item * rows + r) * 2] = st.m[r];
+        part_ml[(item * rows + r) * 2 + 1] = st.l[r];
+      }
+      std::copy(st.acc.begin(), st.acc.end(), part_acc.begin() + item * rows * dhp);
+    }
+  });
+  if (splits == 1) return;
+
+  // Merge the spans of every (kv head, row): weights exp(m_s - max_s m_s), in ascending span order.
+  at::parallel_for(0, units * rows, ceil_div(kDecodeGrain, splits * dhp), [&](int64_t begin, int64_t end) {
+    std::vector<T> acc(dhp), tmp(dhp);
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t unit = idx / rows, r = idx % rows;
+      const auto part = [&](int64_t split) { return (unit * splits + split) * rows + r; };
+      T m = kNegInf;
+      for (int64_t split = 0; split < splits; ++split) m = max_propagating_nan(m, part_ml[part(split) * 2]);
+      std::fill(acc.begin(), acc.end(), T(0));
+      T l = T(0);
+      if (m != kNegInf) {  // else no visible key in any span: l = 0, output 0
+        for (int64_t split = 0; split < splits; ++split) {
+          const T m_s = part_ml[part(split) * 2];
+          if (m_s == kNegInf) continue;
+          const T w = std::exp(m_s - m);
+          l += w * part_ml[part(split) * 2 + 1];
+          at::vec::map2([w](Vec<T> x, Vec<T> y) { return at::vec::fmadd(Vec<T>(w), y, x); }, acc.data(), acc.data(),
+                        part_acc.data() + part(split) * dhp, dhp);
+        }
+      }
+      finish_row(unit / p.kv_heads, unit % p.kv_heads, r, acc.data(), m, l, tmp.data());
     }
   });
 }
@@ -703,7 +1126,11 @@ std::tuple<at::Tensor, at::Tensor> attn_fwd_cpu(const at::Tensor& q, const at::T
   at::Tensor lse = at::empty({p.batch, p.heads, p.tq}, q.options().dtype(acc));
   const at::Tensor bias = key_bias(key_padding_mask, acc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "attn_fwd_cpu", [&] {
-    attention_forward<scalar_t>(p, unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), bias, out, lse);
+    if (use_decode_path(p)) {
+      decode_forward<scalar_t>(p, unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), bias, out, lse);
+    } else {
+      attention_forward<scalar_t>(p, unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), bias, out, lse);
+    }
   });
   return {out, lse};
 }
