@@ -662,12 +662,12 @@ struct DecodeRows {
 };
 
 // Keys [c0, c0 + n) of the chunk (rows of Src: in place, or packed as T) against every query row,
-// the rows taken up to 4 at a time.
+// the rows taken up to 4 at a time. `prefetch`: ask for the next chunk's rows (AVX512 builds).
 template <typename T, typename Src>
 inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int64_t dhp, const Src* k_rows,
                          int64_t k_ld, const Src* v_rows, int64_t v_ld, int64_t cols, int64_t c0, int64_t n,
                          const T* bias, bool prefetch) {
-  constexpr int64_t C = kDecodeChunk, kLine = 64 / sizeof(Src);
+  constexpr int64_t C = kDecodeChunk;
   // Scores.
   for (int64_t r0 = 0; r0 < rows;) {
     const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
@@ -676,6 +676,7 @@ inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int6
     int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (kScores16<T>) {
+      constexpr int64_t kLine = 64 / sizeof(Src);
       const int64_t kb = 16 / rb;
       for (; j + kb <= n; j += kb) {
         const Src* x = k_rows + j * k_ld;
