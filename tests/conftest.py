@@ -23,8 +23,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    """A fresh random seed per test and run, printed so that a failure can be replayed."""
-    seed = int.from_bytes(os.urandom(4), "little") >> 1
+    """A fresh random seed per test and run, printed so that a failure can be replayed
+    (``ATTNRES_TEST_SEED=<seed> pytest ...`` runs with that seed)."""
+    seed = int(os.environ.get("ATTNRES_TEST_SEED") or int.from_bytes(os.urandom(4), "little") >> 1)
     torch.manual_seed(seed)
     print(f"torch seed: {seed}")  # shown with the captured output of a failing test
     yield

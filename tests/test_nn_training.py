@@ -183,7 +183,9 @@ def assert_autocast_training_matches(model, ref, dtype, device_type="cpu"):
     FlashAttention's rule: against an fp32 oracle (a float copy of the reference model,
     no autocast), the logits and all gradients together are off by at most 3x the
     reference model's own error plus a small slack, each gradient within a looser
-    bound; three AdamW steps (losses within 1 %) agree too."""
+    bound; three AdamW steps agree too, by the same rule against the oracle's steps
+    (with bf16 parameters the steps are chaotic: a 1e-3 update rounds to zero or to a
+    whole bf16 ulp, so two bf16 runs drift apart as either drifts from the oracle)."""
     idx = torch.randint(0, VOCAB, (2, 8), device=device_type)
     target = torch.randint(0, VOCAB, (2, 8), device=device_type)
     oracle = copy.deepcopy(ref).float()
@@ -197,7 +199,9 @@ def assert_autocast_training_matches(model, ref, dtype, device_type="cpu"):
         assert rel(grads_a[k], g) <= 3 * rel(grads_b[k], g) + 0.25, k
     losses = train(model, idx, target, 3, dtype, device_type)
     ref_losses = train(ref, idx, target, 3, dtype, device_type)
-    assert all(abs(x - y) <= 1e-2 * abs(y) for x, y in zip(losses, ref_losses)), (losses, ref_losses)
+    oracle_losses = train(oracle, idx, target, 3, None, device_type)
+    for x, y, z in zip(losses, ref_losses, oracle_losses):
+        assert abs(x - z) <= 3 * abs(y - z) + 1e-2 * abs(z), (losses, ref_losses, oracle_losses)
     for (k, p), q in zip(model.named_parameters(), ref.parameters()):
         assert p.dtype == q.dtype, k
 
