@@ -22,7 +22,9 @@ is not installed or cannot run a case (no CUDA build of ours yet, a peer's width
 is listed as skipped with the reason, never as an error; one that raises is listed as an error.
 
 Inkling2: one transformers ``Inkling2BlockAttentionResidual`` (Q = 1 and 3) unpatched and patched by
-``attnres_kernels.hf.apply_attnres_kernels``, forward + backward time and saved bytes.
+``attnres_kernels.hf.apply_attnres_kernels``, forward + backward time and saved bytes; and an AdamW
+training step of a random bf16 ``Inkling2ForCausalLM`` (``benchmarks/inkling2_model.py``'s model,
+sized up) unpatched, with its reads patched, and with reads and norms fused, with peak memory.
 
 Models: one AdamW training step (bf16 autocast: fp32 parameters and embedding, bf16 sublayers,
 so the depth reads see mixed dtypes) of Standard, Full and Block AttnRes at d=1024, L=12,
@@ -539,6 +541,71 @@ def bench_inkling2_reads(env: Env) -> list:
     return rows
 
 
+@dataclass
+class Inkling2StepRow:
+    variant: str
+    status: str
+    step_ms: tuple | None = None
+    peak_mib: float | None = None
+    loss: float | None = None
+
+
+def inkling2_model_args(dry_run: bool):
+    """The model of ``benchmarks/inkling2_model.py`` at GPU size (tiny in a dry run)."""
+    import argparse
+
+    if dry_run:
+        return argparse.Namespace(hidden=32, layers=4, block=2, tokens=8, batch=1)
+    return argparse.Namespace(hidden=1024, layers=8, block=3, tokens=2048, batch=4)
+
+
+def bench_inkling2_model(env: Env) -> tuple:
+    """An AdamW step (forward with labels, backward, step) of a random ``Inkling2ForCausalLM`` loaded in
+    bf16, for each of ``inkling2_model.VARIANTS``, one variant on the device at a time; the first step's
+    loss is reported so that the variants can be compared. Returns ``(model args, rows)``."""
+    import shutil
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import inkling2_model
+
+    args = inkling2_model_args(env.dry_run)
+    path = tempfile.mkdtemp(prefix="inkling2_gpu_bench_")
+    rows = []
+    try:
+        inkling2_model.make_model(args).save_pretrained(path)
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(1, 2000, (args.batch, args.tokens), generator=gen).to(env.device)
+        for name in inkling2_model.VARIANTS:
+            row = Inkling2StepRow(name, "ok")
+            try:
+                model = inkling2_model.variant(path, name, torch.bfloat16).to(env.device)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+                def step(model=model, opt=opt):
+                    opt.zero_grad(set_to_none=True)
+                    loss = model(ids, labels=ids).loss
+                    loss.backward()
+                    opt.step()
+                    return loss
+
+                row.loss = step().item()
+                if env.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(env.device)
+                row.step_ms = env.timer(step)
+                if env.device.type == "cuda":
+                    row.peak_mib = torch.cuda.max_memory_allocated(env.device) / 2**20
+            except Exception as exc:  # reported, the other variants still run
+                row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            model = opt = step = None  # frees this variant before the next one is loaded
+            if env.device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+    finally:
+        shutil.rmtree(path)
+    return args, rows
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -561,6 +628,7 @@ def markdown(
     model_rows: list,
     cfg: ModelConfig | None,
     inkling2_rows: list = (),
+    inkling2_step: tuple | None = None,
 ) -> str:
     lines = ["# GPU benchmark" + (" (DRY RUN on CPU: numbers are meaningless)" if env_info["dry_run"] else ""), ""]
     lines += [f"- {k}: {v}" for k, v in env_info.items()]
@@ -634,6 +702,29 @@ def markdown(
                 f"| {r.queries} | {r.partial} | {r.status} | {_ms(r.unpatched_ms)} | {_ms(r.patched_ms)} | "
                 f"{_ratio(r.patched_ms, r.unpatched_ms)} | {mib(r.unpatched_saved_mib)} | {mib(r.patched_saved_mib)} |"
             )
+    if inkling2_step is not None:
+        args, step_rows = inkling2_step
+        lines += [
+            "",
+            "## Inkling2 training step, patched vs unpatched",
+            "",
+            f"A random `Inkling2ForCausalLM` loaded in bf16 (`benchmarks/inkling2_model.py`'s model: hidden "
+            f"{args.hidden}, {args.layers} layers, full attention every 4th, AttnRes blocks of {args.block} layers, "
+            f"4 experts top 2), B = {args.batch}, T = {args.tokens}; one AdamW step. `reads`: "
+            "`apply_attnres_kernels(model, fuse_norms=False)`; `reads+norms`: the default (reads fused with the "
+            "RMSNorm after each).",
+            "",
+            "| variant | status | ms/step | speedup | peak MiB | first loss |",
+            "|---|---|---|---|---|---|",
+        ]
+        unpatched = next((r for r in step_rows if r.variant == "unpatched" and r.step_ms), None)
+        for r in step_rows:
+            peak = "–" if r.peak_mib is None else f"{r.peak_mib:.0f}"
+            loss = "–" if r.loss is None else f"{r.loss:.4f}"
+            lines.append(
+                f"| {r.variant} | {r.status} | {_ms(r.step_ms)} | "
+                f"{_ratio(r.step_ms, unpatched.step_ms if unpatched else None)} | {peak} | {loss} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -678,13 +769,17 @@ def main(argv=None) -> int:
     cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
     model_rows = bench_models(cfg, env) if cfg is not None else []
     inkling2_rows = bench_inkling2_reads(env)
-    report = markdown(env_info, read_rows, copies, model_rows, cfg, inkling2_rows)
+    inkling2_step = None if args.skip_models else bench_inkling2_model(env)
+    report = markdown(env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step)
     result = {
         "environment": env_info,
         "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
         "copy_gbps": copies,
         "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
         "inkling2_reads": [asdict(r) for r in inkling2_rows],
+        "inkling2_step": None
+        if inkling2_step is None
+        else {"model": vars(inkling2_step[0]), "rows": [asdict(r) for r in inkling2_step[1]]},
     }
     out_dir = (
         args.out if args.out is not None else (None if args.dry_run else os.path.join(ROOT, "benchmarks", "results"))

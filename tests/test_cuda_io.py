@@ -34,15 +34,22 @@ def nbytes(t):
     return t.numel() * t.element_size()
 
 
-def run_read(sources, q, out_norm, prefix_dtype=None):
-    """One forward + backward through backend="cuda"; returns the launch records and the tensors."""
+def run_read(sources, q, out_norm, prefix_dtype=None, normalize_values=False):
+    """One forward + backward through backend="cuda"; returns the launch records and the tensors.
+    ``normalize_values``: Inkling2's read (normalised values, no key-norm weight)."""
     lead, d = sources[0].shape[:-1], sources[0].shape[-1]
     w, g, g_out = site_params(q, d)
+    if normalize_values:
+        g = None
     srcs = [s.clone().requires_grad_() for s in sources]
     kwargs = dict(out_norm_weight=g_out if out_norm else None, return_lse=True, backend="cuda")
+    if normalize_values:
+        kwargs.update(normalize_values=True, scale=d**-0.5)
     prefix = None
     if prefix_dtype is not None:
-        h_a, lse_a = reference.depth_attention(w, [torch.randn(*lead, d) for _ in range(2)], g, return_lse=True)
+        h_a, lse_a = reference.depth_attention(
+            w, [torch.randn(*lead, d) for _ in range(2)], g, return_lse=True, normalize_values=normalize_values
+        )
         prefix = (h_a.to(prefix_dtype), lse_a)
         out, lse = ak.depth_attention_merge(w, *prefix, srcs, g, **kwargs)
     else:
@@ -70,10 +77,13 @@ def teams(launch):
         ((torch.float64, torch.float32), 640, 2, True, torch.float64),  # 32 warps per row
     ],
 )
-def test_forward_reads_each_source_once_and_writes_each_output_once(dtypes, d, q, out_norm, prefix_dtype):
+@pytest.mark.parametrize("normalize_values", [False, True], ids=["raw-values", "normalised-values"])
+def test_forward_reads_each_source_once_and_writes_each_output_once(
+    dtypes, d, q, out_norm, prefix_dtype, normalize_values
+):
     m, n = 12, len(dtypes)
     sources = [torch.randn(3, 4, d).to(dt) for dt in dtypes]
-    (fwd,), _, out, prefix = run_read(sources, q, out_norm, prefix_dtype)
+    (fwd,), _, out, prefix = run_read(sources, q, out_norm, prefix_dtype, normalize_values)
     nq = 1 if q is None else q
     acc = 8 if out.dtype == torch.float64 else 4
     w = warps(fwd)
@@ -105,10 +115,11 @@ def test_forward_reads_each_source_once_and_writes_each_output_once(dtypes, d, q
         ((torch.bfloat16, torch.float32), 37, None, True, None),
     ],
 )
-def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype):
+@pytest.mark.parametrize("normalize_values", [False, True], ids=["raw-values", "normalised-values"])
+def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype, normalize_values):
     m, n = 40, len(dtypes)  # 40 rows: three row chunks of 16
     sources = [torch.randn(5, 8, d).to(dt) for dt in dtypes]
-    _, launches, out, prefix = run_read(sources, q, out_norm, prefix_dtype)
+    _, launches, out, prefix = run_read(sources, q, out_norm, prefix_dtype, normalize_values)
     bwd = [x for x in launches if x.kernel.startswith("depth_attn_bwd")]
     sums = [x for x in launches if x.kernel.startswith("column_sum")]
     assert len(bwd) == 1, "one site tile"
@@ -119,6 +130,7 @@ def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype
     chunks = -(-m // 16)
     assert teams(bwd) >= chunks
     per_row_scalars = (4 * nq * n) + n + nq * n  # logits (softmax stats x2, pass A, pass B), rinv, dlogits
+    per_row_scalars += n if normalize_values else 0  # rinv again in pass A
     per_row_scalars += nq  # dlse
     per_row_scalars += nq if prefix else 0  # prefix lse
     expected_reads = {
@@ -126,7 +138,7 @@ def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype
         "dy": nbytes(out),
         "prefix_out": nbytes(prefix[0]) if prefix else 0,
         "logits": 4 * nq * n * m * acc * w,
-        "rinv": n * m * acc * w,
+        "rinv": (2 if normalize_values else 1) * n * m * acc * w,
         "dlogits": nq * n * m * acc * w,
         "dlse": nq * m * acc * w,
         "prefix_lse": nq * m * acc * w if prefix else 0,

@@ -78,6 +78,13 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
         assert row["unpatched_ms"][0] > 0 and row["patched_ms"][0] > 0
         assert row["patched_saved_mib"] < row["unpatched_saved_mib"]
     assert "## Inkling2 read module, patched vs unpatched" in report
+    step = result["inkling2_step"]["rows"]
+    assert [r["variant"] for r in step] == ["unpatched", "reads", "reads+norms"]
+    for row in step:
+        assert row["status"] == "ok", row
+        assert row["step_ms"][0] > 0
+        assert math.isclose(row["loss"], step[0]["loss"], rel_tol=2e-2), (row, step[0])  # bf16 round-off
+    assert "## Inkling2 training step, patched vs unpatched" in report
 
 
 def test_without_a_gpu_the_real_run_refuses(gpu, capsys):

@@ -29,23 +29,6 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def cuda_refuses(backend, normalize_values=False, out_norm_eps=None) -> bool:
-    """Whether ``backend`` is the CUDA one and the options include what its kernels do not implement
-    yet (normalised values, an output-norm eps of its own): then it must refuse them clearly (and
-    ``"auto"`` never picks it for them), which this checks."""
-    if backend != "cuda" or not (normalize_values or out_norm_eps is not None):
-        return False
-    with pytest.raises(ak.BackendUnavailableError, match="CUDA kernels do not implement"):
-        ak.depth_attention(
-            torch.randn(8),
-            [torch.randn(2, 8)],
-            normalize_values=normalize_values,
-            out_norm_eps=out_norm_eps,
-            backend="cuda",
-        )
-    return True
-
-
 def test_every_backend_is_here():
     """A backend missing here would silently shrink this suite."""
     assert BACKENDS == ["cpu", "triton"]
@@ -80,8 +63,6 @@ def _compare(backend, sources, q, variant, out_norm, prefix_split=None):
     kwargs = spec["kwargs"](d)
     if out_norm:
         kwargs.update(out_norm_eps=1e-3)
-    if cuda_refuses(backend, kwargs.get("normalize_values", False), kwargs.get("out_norm_eps")):
-        return
     head = make_sources(prefix_split, sources[0].shape[:-1], d, sources[0].dtype) if prefix_split else None
 
     def run(impl, srcs, params, fp64):
@@ -144,8 +125,6 @@ def test_merge_matches_reference(backend, variant, q):
 
 @pytest.mark.parametrize("q", [None, 3])
 def test_merge_equals_read_over_union(backend, q):
-    if cuda_refuses(backend, normalize_values=True):
-        return
     d = 24
     sources = make_sources(5, (4,), d)
     w, _, g_out = _params(q, d, norm=False)
@@ -164,8 +143,6 @@ def test_merge_equals_read_over_union(backend, q):
 @pytest.mark.parametrize("q,out_norm,merge", list(itertools.product([None, 2], [False, True], [False, True])))
 def test_gradcheck_fp64(backend, q, out_norm, merge):
     """fp64 gradcheck of the Inkling2 options (and a separate output-norm eps) through the kernels."""
-    if cuda_refuses(backend, normalize_values=True, out_norm_eps=1e-2):
-        return
     d, n = 5, 3
     sources = [torch.randn(2, 3, d, dtype=torch.float64, requires_grad=True) for _ in range(n)]
     w = torch.randn(*(() if q is None else (q,)), d, dtype=torch.float64, requires_grad=True)
@@ -190,8 +167,6 @@ def test_block_views_are_read_in_place(backend):
     """Inkling2 keeps its blocks in one [B, T, n, D] tensor: a read over its per-block views
     (``unbind(-2)``, rows n·D apart) plus the partial sum saves no copy of them for backward,
     only references to the inputs and per-row scalars, and gives the reference's results."""
-    if cuda_refuses(backend, normalize_values=True):
-        return
     b, t, n, d = 2, 5, 4, 40
     blocks = torch.randn(b, t, n, d, dtype=torch.bfloat16, requires_grad=True)
     partial = torch.randn(b, t, d, requires_grad=True)  # the fp32 partial sum of a block
@@ -218,8 +193,6 @@ def test_block_views_are_read_in_place(backend):
 
 def test_fused_op_ran_with_the_options(backend):
     """The Inkling2 read runs the backend's op, not the reference."""
-    if cuda_refuses(backend, normalize_values=True, out_norm_eps=1e-3):
-        return
     sources = make_sources(3, (4,), 16)
     w = torch.randn(3, 16, requires_grad=True)
 

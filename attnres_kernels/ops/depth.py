@@ -48,8 +48,6 @@ def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weig
 
             if dim > cuda_backend.max_dim(dtype):
                 return f"the CUDA kernels support D <= {cuda_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
-            if options.normalize_values or options.out_norm_eps != options.eps:
-                return "the CUDA kernels do not implement normalize_values or a separate out_norm_eps yet"
         return None
 
     return limit

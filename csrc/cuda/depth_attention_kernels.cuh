@@ -19,7 +19,8 @@
 //
 // Forward (one pass over the sources, online softmax): per row, for each source
 // i, the team reduces (Σ v², <u_q, v> for q < QT) in one warp-shuffle + shared
-// memory reduction, and every thread folds v into its QT accumulators.
+// memory reduction, and every thread folds v (or, with normalize_values, the
+// normalised r_i v) into its QT accumulators.
 //
 // Backward (fixed-order, no atomics): a team owns a fixed chunk of rows (the
 // chunking depends on M only). Per row, pass A: with the output norm it
@@ -29,6 +30,8 @@
 // dp_qi = <do_q, v_i> and writes
 //     dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² v_i / D,
 //     ds_qi = α_qi (dp_qi - δ_q + dlse_q) + dlogits_qi.
+// With normalize_values the values are x_i = r_i v_i: dp_qi = r_i <do_q, v_i>, and
+//     dv_i = Σ_q α_qi r_i do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi + α_qi dp_qi) r_i² v_i / D.
 // du (in registers) and dg (in shared memory) are summed over the chunk's rows
 // and written as one [Q, D] partial per chunk; column_sum_kernel adds the
 // partials in chunk order.
@@ -49,6 +52,7 @@
 //                     + Q D s_o (dy) + [merge] Q D s_a
 //                     + (4 Q N + N + Q N + Q [+ Q merge]) a W   logits (softmax max and sum,
 //                                                      passes A and B), rinv, dlogits, dlse, lse_a
+//                     + [normalize_values] N a W      rinv again, in pass A
 //                     + 3 · 32 N W                     source table (passes A, B), gradient table
 //             writes  Σ_i D s_i                        each source gradient element once
 //                     + [merge] Q D s_a + Q a
@@ -94,12 +98,14 @@ struct FwdParams {
   int32_t prefix_dtype;     // [Q, M, D] or null
   const acc_t* prefix_lse;  // [Q, M]
   void* out;
-  int32_t out_dtype;  // [Q, M, D]
-  acc_t* lse;         // [Q, M]
-  acc_t* logits;      // [Q, N, M]
-  acc_t* rinv;        // [N, M]
-  acc_t eps;
-  bool vec;  // every row 16-byte aligned and D % G == 0: vector loads and stores
+  int32_t out_dtype;      // [Q, M, D]
+  acc_t* lse;             // [Q, M]
+  acc_t* logits;          // [Q, N, M]
+  acc_t* rinv;            // [N, M]
+  acc_t eps;              // the key norm's
+  acc_t out_eps;          // the output norm's
+  bool normalize_values;  // the values are the normalised sources r_i v_i
+  bool vec;               // every row 16-byte aligned and D % G == 0: vector loads and stores
 };
 
 template <typename acc_t>
@@ -126,7 +132,8 @@ struct BwdParams {
   acc_t* du_part;           // [chunks, Q, D]
   acc_t* dg_part;           // [chunks, Q, D] or null
   int64_t rows_per_chunk, num_chunks;
-  acc_t eps;
+  acc_t out_eps;  // the output norm's (the key norm's is in the saved rinv)
+  bool normalize_values;
   bool vec;
   bool accumulate;  // add to the source gradients (site tiles after the first)
 };
@@ -593,6 +600,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
         if (blockIdx.y == 0) store_global(a.rinv + int64_t(i) * M + p, r);
         for (int q = 0; q < nq; ++q) store_global(a.logits + (int64_t(q0 + q) * N + i) * M + p, r * part[1 + q]);
       }
+      if (a.normalize_values) {
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+          for (int e = 0; e < G; ++e) v[k][e] *= r;
+      }
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
         if (q >= nq) continue;
@@ -632,7 +645,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
         const acc_t mean_sq = sumsq[q] * scale[q] * scale[q] / static_cast<acc_t>(D);
-        scale[q] *= acc_t(1) / dev_sqrt(mean_sq + a.eps);
+        scale[q] *= acc_t(1) / dev_sqrt(mean_sq + a.out_eps);
 #pragma unroll
         for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -734,10 +747,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
         const RowRef src = load_uniform(a.sources + i);
         acc_t v[K][G];
         load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+        const acc_t r = a.normalize_values ? load_uniform(a.rinv + int64_t(i) * M + p) : acc_t(1);
 #pragma unroll
         for (int q = 0; q < QT; ++q) {
           if (q >= nq) continue;
-          const acc_t w = alpha(q, i);
+          const acc_t w = alpha(q, i) * r;
 #pragma unroll
           for (int k = 0; k < K; ++k)
 #pragma unroll
@@ -778,7 +792,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
       // <do, h_a> = rstd <g dy, h_a> + k <h, h_a>.
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
-        const acc_t rstd = acc_t(1) / dev_sqrt(sums[5 * q] * inv_d + a.eps);
+        const acc_t rstd = acc_t(1) / dev_sqrt(sums[5 * q] * inv_d + a.out_eps);
         const acc_t k_coef = -rstd * rstd * rstd * sums[5 * q + 1] * inv_d;
         dp_a[q] = rstd * sums[5 * q + 2] + k_coef * (sums[5 * q + 3] + alpha_a[q] * sums[5 * q + 4]);
         delta[q] = acc_t(0);
@@ -803,9 +817,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
         load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
         row_dots(dO, v, dp);
         reducer.sum(dp);
+        const acc_t r = a.normalize_values ? load_uniform(a.rinv + int64_t(i) * M + p) : acc_t(1);
 #pragma unroll
         for (int q = 0; q < QT; ++q)
-          if (q < nq) delta[q] += alpha(q, i) * dp[q];
+          if (q < nq) delta[q] += alpha(q, i) * (dp[q] * r);
       }
       if (has_prefix) {
 #pragma unroll
@@ -847,6 +862,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
       row_dots(dO, v, dp);
       reducer.sum(dp);
       const acc_t r = load_uniform(a.rinv + int64_t(i) * M + p);
+      // w: the weight of do in dv (α, or α r for normalised values, whose norm also adds
+      // α dp to the coefficient of v).
       acc_t w[QT], c1[QT], c2 = acc_t(0);
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
@@ -854,11 +871,18 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
         if (q >= nq) continue;
         const int64_t qi = (int64_t(q0 + q) * N + i) * M + p;
         const acc_t s = load_uniform(a.logits + qi);
-        w[q] = dev_exp(s - top[q]) * inv[q];
-        acc_t ds = w[q] * (dp[q] - delta[q] + dlse[q]);
+        const acc_t alpha_qi = dev_exp(s - top[q]) * inv[q];
+        if (a.normalize_values) dp[q] *= r;
+        acc_t ds = alpha_qi * (dp[q] - delta[q] + dlse[q]);
         if (a.dlogits != nullptr) ds += load_uniform(a.dlogits + qi);
         c1[q] = ds * r;
         c2 += ds * s;
+        if (a.normalize_values) {
+          c2 += alpha_qi * dp[q];
+          w[q] = alpha_qi * r;
+        } else {
+          w[q] = alpha_qi;
+        }
       }
       c2 *= r * r * inv_d;
 #pragma unroll

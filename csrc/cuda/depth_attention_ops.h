@@ -80,10 +80,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
   const SourceRows& in = read.in;
   const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
   const SiteParams& site = read.site;
-  TORCH_CHECK(!options.normalize_values, "depth attention (cuda): normalize_values is not implemented yet");
-  TORCH_CHECK(!site.g.defined() || options.out_norm_eps == options.eps,
-              "depth attention (cuda): an out_norm_eps other than eps is not implemented yet");
-  const double eps = options.eps;
+  TORCH_CHECK(!options.normalize_values || !norm_weight.has_value(),
+              "depth attention (cuda): normalised values are implemented without a key-norm weight only");
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto opts = in.rows[0].options();
   const auto acc = in.acc_dtype;
@@ -135,7 +133,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
     p.lse = lse.mutable_data_ptr<acc_t>();
     p.logits = logits.mutable_data_ptr<acc_t>();
     p.rinv = rinv.mutable_data_ptr<acc_t>();
-    p.eps = static_cast<acc_t>(eps);
+    p.eps = static_cast<acc_t>(options.eps);
+    p.out_eps = static_cast<acc_t>(options.out_norm_eps);
+    p.normalize_values = options.normalize_values;
     p.vec = vec;
     launch_depth_attn_fwd<acc_t>(rt, plan, p);
   });
@@ -153,10 +153,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   const SourceRows& in = read.in;
   const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
   const SiteParams& site = read.site;
-  TORCH_CHECK(!options.normalize_values, "depth attention (cuda): normalize_values is not implemented yet");
-  TORCH_CHECK(!site.g.defined() || options.out_norm_eps == options.eps,
-              "depth attention (cuda): an out_norm_eps other than eps is not implemented yet");
-  const double eps = options.eps;
+  TORCH_CHECK(!options.normalize_values || !norm_weight.has_value(),
+              "depth attention (cuda): normalised values are implemented without a key-norm weight only");
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto acc = in.acc_dtype;
   auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
@@ -253,7 +251,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
       p.dg_part = dg_part.defined() ? dg_part.mutable_data_ptr<acc_t>() : nullptr;
       p.rows_per_chunk = plan.rows_per_chunk;
       p.num_chunks = plan.num_chunks;
-      p.eps = static_cast<acc_t>(eps);
+      p.out_eps = static_cast<acc_t>(options.out_norm_eps);
+      p.normalize_values = options.normalize_values;
       p.vec = vec;
       launch_depth_attn_bwd<acc_t>(rt, plan, p, du.mutable_data_ptr<acc_t>(),
                                    dg.defined() ? dg.mutable_data_ptr<acc_t>() : nullptr);
