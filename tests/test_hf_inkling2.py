@@ -356,6 +356,29 @@ def test_text_model_and_backends(checkpoint):
     assert ops_run(lambda: base(batch())).count(FWD_OP) == N_READS
 
 
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_cuda_kernels_under_the_simt_harness(tmp_path, monkeypatch, fuse_norms):
+    """backend="cuda": the CUDA kernels (run on CPU by the SIMT harness) serve every read of the patched
+    model, normalised values included; loss and every gradient equal the unpatched model's. The model's
+    RMSNorm eps is large (0.1, the key norm's stays 1e-6), so an output norm with the wrong eps would show."""
+    from attnres_kernels.cuda import emulation
+
+    monkeypatch.setenv(emulation.ENV, "1")
+    reason = emulation.load()
+    assert reason is None, reason
+    torch.manual_seed(0)
+    randomize(transformers.Inkling2ForCausalLM(text_config(rms_norm_eps=0.1))).save_pretrained(tmp_path)
+    eager, fused = load(tmp_path, False), load(tmp_path, True, backend="cuda", fuse_norms=fuse_norms)
+    ids = batch()
+    out_e, grads_e = loss_and_grads(eager, ids)
+    ran = ops_run(lambda: loss_and_grads(fused, ids))
+    assert ran.count("attnres_emu::depth_attn_fwd") == N_READS and ran.count(FWD_OP) == 0, ran
+    out_f, grads_f = loss_and_grads(fused, ids)
+    assert_close(out_f.loss, out_e.loss, "loss")
+    for name, g in grads_e.items():
+        assert_close(grads_f[name], g, f"grad of {name}", atol=2e-5)
+
+
 def test_no_attnres_modules():
     with pytest.raises(ValueError, match="no Inkling2BlockAttentionResidual"):
         hf.apply_attnres_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4)))
