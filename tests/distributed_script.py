@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import attnres_kernels as ak
+from attnres_kernels.train import exit_process
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
 BATCH, SEQ, MICRO_BATCHES, STEPS, LR = 4, 6, 4, 2, 0.5
@@ -248,6 +249,7 @@ def spawn_worker(rank: int, world: int, store_path: str, cases, modes, out_dir, 
         run_checks(cases, modes, out_dir, [tuple(p) for p in pipelines])
     finally:
         dist.destroy_process_group()
+    exit_process(0)
 
 
 def main() -> None:
@@ -272,3 +274,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)
