@@ -150,7 +150,13 @@ def bench_backward(n, rows, dim, dtype):
     return results
 
 
-SMALL_READS = [(4, (10, 20), 128, False), (1, (10, 20), 128, True), (7, (10, 20), 128, True), (13, (10, 20), 128, True)]
+SMALL_READS = [
+    (4, (10, 20), 128, False),
+    (1, (10, 20), 128, True),
+    (3, (10, 20), 128, True),
+    (7, (10, 20), 128, True),
+    (13, (10, 20), 128, True),
+]
 
 
 def bench_small_reads():
@@ -185,6 +191,13 @@ def bench_small_reads():
             def unchecked():
                 return depth_ops.read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
 
+            rms_in = torch.randn(*lead, dim, requires_grad=True)
+            rms_weight = torch.ones(dim, requires_grad=True)
+
+            def rms_norm_fwd_bwd():  # what a site's plain RMSNorm costs per call: the bar for a small read
+                out = torch.nn.functional.rms_norm(rms_in, (dim,), rms_weight, 1e-6)
+                return torch.autograd.grad(out, [rms_in, rms_weight], grad_out)
+
             def no_grad(fn):
                 def run():
                     with torch.no_grad():
@@ -202,6 +215,7 @@ def bench_small_reads():
                 "depth_attention fwd+bwd": with_backward(public),
                 "read_unchecked fwd": no_grad(unchecked),
                 "read_unchecked fwd+bwd": with_backward(unchecked),
+                "F.rms_norm fwd+bwd": rms_norm_fwd_bwd,
             }
             loop = lambda fn: lambda: [fn() for _ in range(20)]
             times = interleaved({k: loop(f) for k, f in fns.items()}, min_rounds=15, min_seconds=2.0)
@@ -356,7 +370,9 @@ def read_report_lines(reads, small_reads, backward=None):
             "`torch.ops.attnres.depth_attn_fwd` (+ `depth_attn_bwd`) without autograd; `depth_attention`: the "
             "public function (argument checks, backend resolution, the op with its C++ autograd; fwd+bwd through "
             "`torch.autograd.grad`); `read_unchecked`: the same without the checks, for modules that validated "
-            "their inputs once. The demo model reads 1 to 13 sources of [10, ~20, 128].",
+            "their inputs once; `F.rms_norm fwd+bwd`: one RMSNorm (with weight) of a source's shape, forward and "
+            "`torch.autograd.grad`, timed in the same rounds (the bar for a small read: a site's plain norm). The "
+            "demo model reads 1 to 13 sources of [10, ~20, 128].",
             "",
             "| read | " + " | ".join(keys) + " |",
             "|---|" + "---|" * len(keys),
