@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import attnres_kernels as ak
+from attnres_kernels.train import exit_process
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
 BATCH, SEQ, STEPS, SAVE_AT, LR = 4, 6, 4, 2, 1e-2
@@ -154,3 +155,4 @@ def spawn_worker(rank: int, world: int, store_path: str, cases, out_dir) -> None
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # past gloo's abort at interpreter exit (attnres_kernels.train.exit_process)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 import attnres_kernels as ak
 from attnres_kernels.ops import _dispatch
+from attnres_kernels.train import exit_process
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
 BATCH, SEQ, STEPS, LR = 4, 7, 2, 0.5  # SEQ = 7: uneven sequence shards (4 + 3) on 2 ranks
@@ -200,3 +201,4 @@ def spawn_worker(rank: int, world: int, store_path: str, jobs, out_dir) -> None:
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    exit_process(0)  # past gloo's abort at interpreter exit (attnres_kernels.train.exit_process)
