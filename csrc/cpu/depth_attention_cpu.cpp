@@ -236,6 +236,29 @@ inline std::pair<Vectorized<float>, Vectorized<float>> bf16_even_odd(const at::B
 #endif
 }
 
+// The inverse of bf16_even_odd: the floats `even` and `odd` rounded to bf16 (to nearest even, a
+// NaN as 0xffff, the bits at::vec's conversion gives) and packed as the 2W values of a bf16 row,
+// each even-indexed value in the low half of its 32-bit word. Rounding each word in place puts the
+// halves where they belong: no interleave and no pack, the four lane-crossing shuffles per vector
+// pair that interleave2 + convert_from_float spend (on the port the FMAs also use).
+inline Vectorized<at::BFloat16> bf16_from_even_odd(const Vectorized<float>& even, const Vectorized<float>& odd) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff);
+  auto rounded = [&](const __m512 x) {  // the bf16 bits in the high half of each word
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+    const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(bias, lsb));
+    return _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), _mm512_cmp_ps_mask(x, x, _CMP_ORD_Q), r);
+  };
+  const __m512i low = _mm512_srli_epi32(rounded(even), 16);
+  const __m512i high = _mm512_and_si512(rounded(odd), _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u)));
+  return _mm512_or_si512(low, high);
+#else
+  const auto [lo, hi] = at::vec::interleave2(even, odd);
+  return at::vec::convert_from_float<at::BFloat16>(lo, hi);
+#endif
+}
+
 // u with each run of 2W values reordered as its even-indexed values, then its
 // odd-indexed ones (the tail past the last full run as is).
 inline void split_even_odd(const float* u, int64_t n, float* out) {
@@ -285,11 +308,21 @@ inline void with_site_count(int64_t count, Fn&& fn) {
   }
 }
 
-// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; y is
-// [G, n], each row split as split_even_odd splits it. (Converting the row to float first and
-// taking G + 1 dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
-template <int G>
-inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, int64_t n, float* dots) {
+// Values d .. d + 2W - 1 of a row as (even-indexed, odd-indexed) float vectors: a bf16 row through
+// bf16_even_odd, a float row already split as split_even_odd splits it.
+inline std::pair<Vectorized<float>, Vectorized<float>> even_odd_at(const at::BFloat16* y, int64_t d) {
+  return bf16_even_odd(y + d);
+}
+inline std::pair<Vectorized<float>, Vectorized<float>> even_odd_at(const float* y_split, int64_t d) {
+  return {Vectorized<float>::loadu(y_split + d), Vectorized<float>::loadu(y_split + d + Vectorized<float>::size())};
+}
+
+// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; row q of y
+// starts at y + q * y_stride: float rows split as split_even_odd splits them, or bf16 rows.
+// (Converting the row to float first and taking G + 1 dot products of the copy left the
+// multi-query bf16 reads at half the copy's rate.)
+template <int G, typename y_t>
+inline float sumsq_and_dots_bf16(const at::BFloat16* x, const y_t* y, int64_t y_stride, int64_t n, float* dots) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   fVec ss(0.f), acc[G];
@@ -300,8 +333,8 @@ inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, in
     ss = at::vec::fmadd(odd, odd, at::vec::fmadd(even, even, ss));
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
-      const float* y = y_split + q * n + d;
-      acc[q] = at::vec::fmadd(odd, fVec::loadu(y + W), at::vec::fmadd(even, fVec::loadu(y), acc[q]));
+      const auto [y_even, y_odd] = even_odd_at(y + q * y_stride, d);
+      acc[q] = at::vec::fmadd(odd, y_odd, at::vec::fmadd(even, y_even, acc[q]));
     }
   }
   auto add = [](fVec& a, fVec& b) { return a + b; };
@@ -310,7 +343,7 @@ inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, in
   for (; d < n; ++d) {
     const float xd = static_cast<float>(x[d]);
     sumsq += xd * xd;
-    for (int q = 0; q < G; ++q) dots[q] += xd * y_split[q * n + d];
+    for (int q = 0; q < G; ++q) dots[q] += xd * static_cast<float>(y[q * y_stride + d]);
   }
   return sumsq;
 }
@@ -973,8 +1006,8 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
                 acc_t ss = 0;
                 for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                   with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
-                    const acc_t group_ss =
-                        sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D, dots.data() + q0);
+                    const acc_t group_ss = sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D,
+                                                                                       D, dots.data() + q0);
                     if (q0 == 0) ss = group_ss;
                   });
                 }
@@ -1040,14 +1073,17 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 // after the dot products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to bf16 and
 // written to dv[i] (streamed when `stream`: rows aligned to the vector size), and
 // du_q += Σ_i c1_qi v_i. The rows are read through bf16_even_odd, so do, u and du are split
-// as split_even_odd splits them; the results are interleaved back before they are rounded.
+// as split_even_odd splits them (row q of do starts at do_ + q * do_stride: a split float row, or
+// the bf16 row itself); bf16_from_even_odd rounds the results back into place.
 // The G = Q <= kSweepSites sites keep their du sums in registers over the sources.
 // (The float kernel's path converts every row to float first and sums du in a pass of its own:
 // for bf16 that conversion and the extra passes cost more than the memory traffic.)
-template <int G>
-inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const float* a, const float* c1, const float* c2,
-                              const float* do_split, const float* u_split, float* du_split, int64_t dim,
-                              at::BFloat16* const* dv, bool stream, LinePrefetcher& prefetch) {
+// Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
+template <int G, typename do_t>
+C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const float* a, const float* c1,
+                                    const float* c2, const do_t* do_, int64_t do_stride, const float* u_split,
+                                    float* du_split, int64_t dim, at::BFloat16* const* dv, bool stream,
+                                    LinePrefetcher& prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
@@ -1057,8 +1093,7 @@ inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const flo
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
       du_even[q] = du_odd[q] = fVec(0.f);
-      do_even[q] = fVec::loadu(do_split + q * dim + d);
-      do_odd[q] = fVec::loadu(do_split + q * dim + d + W);
+      std::tie(do_even[q], do_odd[q]) = even_odd_at(do_ + q * do_stride, d);
       u_even[q] = fVec::loadu(u_split + q * dim + d);
       u_odd[q] = fVec::loadu(u_split + q * dim + d + W);
     }
@@ -1075,8 +1110,7 @@ inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const flo
         du_even[q] = at::vec::fmadd(cq, x_even, du_even[q]);
         du_odd[q] = at::vec::fmadd(cq, x_odd, du_odd[q]);
       }
-      const auto [lo, hi] = at::vec::interleave2(g_even, g_odd);
-      const Vectorized<at::BFloat16> out = at::vec::convert_from_float<at::BFloat16>(lo, hi);
+      const Vectorized<at::BFloat16> out = bf16_from_even_odd(g_even, g_odd);
       if (stream) {
         store_streaming(out, dv[i] + d);
       } else {
@@ -1095,7 +1129,7 @@ inline void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const flo
       float g = -c2[i] * x;
       for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
-        g += a[qi] * do_split[q * dim + d] + c1[qi] * u_split[q * dim + d];
+        g += a[qi] * static_cast<float>(do_[q * do_stride + d]) + c1[qi] * u_split[q * dim + d];
         du_split[q * dim + d] += c1[qi] * x;
       }
       dv[i][d] = static_cast<at::BFloat16>(g);
@@ -1182,6 +1216,11 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   std::vector<InRows> dy_sites(Q);
   for (int64_t q = 0; q < Q; ++q) dy_sites[q] = {dy.data + q * M * dy.row_bytes, dy.row_bytes, dy.dtype};
   const int64_t dy_steps_per_source = (Q * D * static_cast<int64_t>(c10::elementSize(dy.dtype)) / 64 + N - 1) / N;
+  // Without the out norm the gradient of h_q is dy_q itself: bf16 rows then read dy's rows in
+  // place (bf16_even_odd splits them as the sums need), without a float copy split per row.
+  // Measured at N=9, 8192 rows, D=1024 (2 threads, % of a copy of the floor's bytes, three A/B
+  // runs): 3 sites 62-65 -> 69-72 %, 1 site 82-85 -> 89-90 %.
+  const bool do_is_dy = bf16_rows && g == nullptr && dy.dtype == at::kBFloat16;
 
   BlockQueue chunks(num_chunks);
   at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
@@ -1229,8 +1268,10 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         for (int64_t q = 0; q < Q; ++q) {
           softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
                           alpha_a.data() + q);
-          const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
-          std::copy(dyq, dyq + D, do_.data() + q * D);
+          if (!do_is_dy) {
+            const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
+            std::copy(dyq, dyq + D, do_.data() + q * D);
+          }
           for (int64_t i = 0; normalize_values && i < N; ++i) {
             scaled_alpha[q * N + i] = alpha[q * N + i] * rinv[i * M + p];
           }
@@ -1264,15 +1305,27 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
         // values), delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
+        // The rows of do for the bf16 sweeps: fn(first row, elements from one site's row to the next).
+        auto with_do_rows = [&](auto&& fn) {
+          if (do_is_dy) {
+            return fn(reinterpret_cast<const at::BFloat16*>(dy.data + p * dy.row_bytes),
+                      M * dy.row_bytes / static_cast<int64_t>(sizeof(at::BFloat16)));
+          }
+          return fn(static_cast<const float*>(do_split.data()), D);
+        };
         if constexpr (std::is_same_v<acc_t, float>) {
-          for (int64_t q = 0; bf16_rows && q < Q; ++q) split_even_odd(do_.data() + q * D, D, do_split.data() + q * D);
+          for (int64_t q = 0; bf16_rows && !do_is_dy && q < Q; ++q) {
+            split_even_odd(do_.data() + q * D, D, do_split.data() + q * D);
+          }
         }
         for (int64_t i = 0; i < N; ++i) {
           const acc_t value_scale = normalize_values ? rinv[i * M + p] : acc_t(1);
           if constexpr (std::is_same_v<acc_t, float>) {  // <do_q, v_i> of every site in one sweep over v_i
             if (bf16_rows) {
               with_site_count(Q, [&](auto sites) {
-                sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_split.data(), D, dots.data());
+                with_do_rows([&](auto do_rows, int64_t do_stride) {
+                  sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_rows, do_stride, D, dots.data());
+                });
               });
             }
           }
@@ -1308,9 +1361,11 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         if constexpr (std::is_same_v<acc_t, float>) {
           if (bf16_rows) {
             with_site_count(Q, [&](auto sites) {
-              bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_split.data(),
-                                                        u_split.data(), du_split.data(), D, dvb.data(), stream_bf16,
-                                                        next_row);
+              with_do_rows([&](auto do_rows, int64_t do_stride) {
+                bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_rows,
+                                                          do_stride, u_split.data(), du_split.data(), D, dvb.data(),
+                                                          stream_bf16, next_row);
+              });
             });
             if (flush) {
               for (int64_t q = 0; q < Q; ++q) accumulate_unsplit(du_c + q * D, du_split.data() + q * D, D);
