@@ -159,6 +159,9 @@ inline void stream_bytes(const void* src_ptr, void* dst_ptr, int64_t n) {
 // ones stay in cache for the op that reads them next.
 constexpr int64_t kStreamBytes = int64_t(8) << 20;
 
+// The backward prefetches the rows it reads next only for source gradients at least this large.
+constexpr int64_t kPrefetchBytes = int64_t(1) << 20;
+
 template <typename acc_t, typename dst_t>
 inline void store_as(const acc_t* src, char* dst, int64_t n, bool stream, acc_t* tmp) {
   const void* bytes = src;
@@ -1179,6 +1182,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
     grad_bytes += dsrc_t[i].nbytes();
   }
   const bool stream = grad_bytes >= kStreamBytes;
+  // Small reads, whose rows stay in cache from the forward, gain nothing from prefetching the next
+  // row and pay its bookkeeping per vector.
+  const bool prefetch = grad_bytes >= kPrefetchBytes;
   const InRows dy = in_rows(dy_t, D);
   const OutRows dh_a = has_prefix ? out_rows(dh_a_t, D) : OutRows{};
   const acc_t* dlse = dlse_t.defined() ? dlse_t.const_data_ptr<acc_t>() : nullptr;
@@ -1263,8 +1269,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
           }
         }
-        LinePrefetcher next_row(rows.src, p + 1, p + 1 < chunk_end ? 1 : 0, D);
-        LinePrefetcher next_dy(dy_sites, p + 1, p + 1 < chunk_end ? 1 : 0, D);
+        const int64_t rows_ahead = prefetch && p + 1 < chunk_end ? 1 : 0;
+        LinePrefetcher next_row(rows.src, p + 1, rows_ahead, D);
+        LinePrefetcher next_dy(dy_sites, p + 1, rows_ahead, D);
         for (int64_t q = 0; q < Q; ++q) {
           softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
                           alpha_a.data() + q);
@@ -1293,10 +1300,22 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + out_eps);
             acc_t* dq = do_.data() + q * D;        // holds dy_q on entry
             acc_t* dg_q = dg_rows.data() + q * D;  // dg_q += rstd dy_q ⊙ h_q
-            at::vec::map3<acc_t>([rstd](auto dyv, auto hv, auto acc) { return dyv * hv * decltype(dyv)(rstd) + acc; },
-                                 dg_q, dq, hq, dg_q, D);
-            at::vec::map2<acc_t>([](auto dyv, auto gv) { return dyv * gv; }, dq, dq, g + q * D, D);
-            const acc_t gy_h = dot(dq, hq, D);  // <g ⊙ dy, h>
+            const acc_t* gq = g + q * D;
+            // One sweep: dg_q += rstd dy ⊙ h, dq = g ⊙ dy, gy_h = <g ⊙ dy, h>.
+            Vec gy_h_acc(acc_t(0));
+            int64_t d = 0;
+            for (; d + Vec::size() <= D; d += Vec::size()) {
+              const Vec dyv = Vec::loadu(dq + d), hv = Vec::loadu(hq + d), gy = dyv * Vec::loadu(gq + d);
+              at::vec::fmadd(dyv * hv, Vec(rstd), Vec::loadu(dg_q + d)).store(dg_q + d);
+              gy.store(dq + d);
+              gy_h_acc = at::vec::fmadd(gy, hv, gy_h_acc);
+            }
+            acc_t gy_h = at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, gy_h_acc);
+            for (; d < D; ++d) {
+              dg_q[d] += dq[d] * hq[d] * rstd;
+              dq[d] *= gq[d];
+              gy_h += dq[d] * hq[d];
+            }
             const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
             at::vec::map2<acc_t>([rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); },
                                  dq, dq, hq, D);
@@ -1377,7 +1396,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         for (int64_t i = 0; i < N; ++i) {
           const acc_t* vi = v[i];
-          acc_t* dv_row = dvbuf.data();
+          // The gradient row itself when it is in acc_t and not streamed, else a row buffer.
+          const bool in_place = !stream && dsrc[i].dtype == c10::CppTypeToScalarType<acc_t>::value;
+          acc_t* dv_row = in_place ? reinterpret_cast<acc_t*>(dsrc[i].data + p * dsrc[i].row_bytes) : dvbuf.data();
           int64_t d = 0;
           for (; d + Vec::size() <= D; d += Vec::size()) {
             next_row.step();
@@ -1394,7 +1415,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             for (int64_t q = 0; q < Q; ++q) dv += weight[q * N + i] * do_[q * D + d] + c1[q * N + i] * u[q * D + d];
             dv_row[d] = dv;
           }
-          store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
+          if (!in_place) store_row(dv_row, dsrc[i], p, D, stream, tmp.data());
         }
         // du_q += Σ_i c1_qi v_i: summed over the sources in registers, into the rows' sum.
         for (int64_t q = 0; q < Q; ++q) {
