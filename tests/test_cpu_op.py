@@ -189,15 +189,15 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
         (1400, 1000, 2, True, False),  # rows not aligned: stored; a tail past the last 32 values
         (9000, 64, None, True, True),  # 36-row chunks: du summed in float over 32 rows, then 4
         (300, 96, 3, False, True),
-        (300, 1000, 3, False, False),  # no out norm: dy's bf16 rows are read as do, a tail past 992
+        (300, 1000, 3, False, False),  # no out norm: dy's bf16 rows converted straight to do, a tail past 992
         (300, 100, 4, True, False),  # the most sites one sweep serves
         (300, 64, 5, False, False),  # more: the float path
     ],
 )
 def test_bf16_backward_reads_rows_in_place(rows, d, q, out_norm, normalize):
     """The backward of bf16 sources without a merge prefix reads the rows as bf16 (no float copy)
-    and forms du in the same sweep as the source gradients; without an out norm it reads the bf16
-    output gradients in place as well: gradients against the reference."""
+    and forms du in the same sweep as the source gradients; without an out norm it converts the bf16
+    output gradients straight into the order those sweeps read: gradients against the reference."""
     sources = make_sources(3, (rows,), d, torch.bfloat16)
     w, g, g_out = site_params(q, d)
     kw = dict(out_norm_weight=g_out if out_norm else None, normalize_values=normalize, scale=0.5)

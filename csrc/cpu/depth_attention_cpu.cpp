@@ -276,6 +276,19 @@ inline void split_even_odd(const float* u, int64_t n, float* out) {
   std::copy(u + d, u + n, out + d);
 }
 
+// A bf16 row as floats in the order split_even_odd gives (through bf16_even_odd: no shuffles).
+inline void bf16_row_split(const at::BFloat16* x, int64_t n, float* out) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const auto [even, odd] = bf16_even_odd(x + d);
+    even.store(out + d);
+    odd.store(out + d + W);
+  }
+  for (; d < n; ++d) out[d] = static_cast<float>(x[d]);
+}
+
 // The 2W values at x as two acc_t vectors for sums over a row: bf16 through
 // bf16_even_odd (even-indexed values, then odd: a product with u pairs them
 // with u split the same way), other dtypes in order.
@@ -311,21 +324,11 @@ inline void with_site_count(int64_t count, Fn&& fn) {
   }
 }
 
-// Values d .. d + 2W - 1 of a row as (even-indexed, odd-indexed) float vectors: a bf16 row through
-// bf16_even_odd, a float row already split as split_even_odd splits it.
-inline std::pair<Vectorized<float>, Vectorized<float>> even_odd_at(const at::BFloat16* y, int64_t d) {
-  return bf16_even_odd(y + d);
-}
-inline std::pair<Vectorized<float>, Vectorized<float>> even_odd_at(const float* y_split, int64_t d) {
-  return {Vectorized<float>::loadu(y_split + d), Vectorized<float>::loadu(y_split + d + Vectorized<float>::size())};
-}
-
-// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; row q of y
-// starts at y + q * y_stride: float rows split as split_even_odd splits them, or bf16 rows.
-// (Converting the row to float first and taking G + 1 dot products of the copy left the
-// multi-query bf16 reads at half the copy's rate.)
-template <int G, typename y_t>
-inline float sumsq_and_dots_bf16(const at::BFloat16* x, const y_t* y, int64_t y_stride, int64_t n, float* dots) {
+// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; y is
+// [G, n], each row split as split_even_odd splits it. (Converting the row to float first and
+// taking G + 1 dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
+template <int G>
+inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, int64_t n, float* dots) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   fVec ss(0.f), acc[G];
@@ -336,8 +339,8 @@ inline float sumsq_and_dots_bf16(const at::BFloat16* x, const y_t* y, int64_t y_
     ss = at::vec::fmadd(odd, odd, at::vec::fmadd(even, even, ss));
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
-      const auto [y_even, y_odd] = even_odd_at(y + q * y_stride, d);
-      acc[q] = at::vec::fmadd(odd, y_odd, at::vec::fmadd(even, y_even, acc[q]));
+      const float* y = y_split + q * n + d;
+      acc[q] = at::vec::fmadd(odd, fVec::loadu(y + W), at::vec::fmadd(even, fVec::loadu(y), acc[q]));
     }
   }
   auto add = [](fVec& a, fVec& b) { return a + b; };
@@ -346,7 +349,7 @@ inline float sumsq_and_dots_bf16(const at::BFloat16* x, const y_t* y, int64_t y_
   for (; d < n; ++d) {
     const float xd = static_cast<float>(x[d]);
     sumsq += xd * xd;
-    for (int q = 0; q < G; ++q) dots[q] += xd * static_cast<float>(y[q * y_stride + d]);
+    for (int q = 0; q < G; ++q) dots[q] += xd * y_split[q * n + d];
   }
   return sumsq;
 }
@@ -1009,8 +1012,8 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
                 acc_t ss = 0;
                 for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                   with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
-                    const acc_t group_ss = sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D,
-                                                                                       D, dots.data() + q0);
+                    const acc_t group_ss =
+                        sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D, dots.data() + q0);
                     if (q0 == 0) ss = group_ss;
                   });
                 }
@@ -1076,17 +1079,15 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 // after the dot products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to bf16 and
 // written to dv[i] (streamed when `stream`: rows aligned to the vector size), and
 // du_q += Σ_i c1_qi v_i. The rows are read through bf16_even_odd, so do, u and du are split
-// as split_even_odd splits them (row q of do starts at do_ + q * do_stride: a split float row, or
-// the bf16 row itself); bf16_from_even_odd rounds the results back into place.
+// as split_even_odd splits them; bf16_from_even_odd rounds the results back into place.
 // The G = Q <= kSweepSites sites keep their du sums in registers over the sources.
 // (The float kernel's path converts every row to float first and sums du in a pass of its own:
 // for bf16 that conversion and the extra passes cost more than the memory traffic.)
 // Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
-template <int G, typename do_t>
+template <int G>
 C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const float* a, const float* c1,
-                                    const float* c2, const do_t* do_, int64_t do_stride, const float* u_split,
-                                    float* du_split, int64_t dim, at::BFloat16* const* dv, bool stream,
-                                    LinePrefetcher& prefetch) {
+                                    const float* c2, const float* do_split, const float* u_split, float* du_split,
+                                    int64_t dim, at::BFloat16* const* dv, bool stream, LinePrefetcher& prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
@@ -1096,7 +1097,8 @@ C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, con
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
       du_even[q] = du_odd[q] = fVec(0.f);
-      std::tie(do_even[q], do_odd[q]) = even_odd_at(do_ + q * do_stride, d);
+      do_even[q] = fVec::loadu(do_split + q * dim + d);
+      do_odd[q] = fVec::loadu(do_split + q * dim + d + W);
       u_even[q] = fVec::loadu(u_split + q * dim + d);
       u_odd[q] = fVec::loadu(u_split + q * dim + d + W);
     }
@@ -1132,7 +1134,7 @@ C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, con
       float g = -c2[i] * x;
       for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
-        g += a[qi] * static_cast<float>(do_[q * do_stride + d]) + c1[qi] * u_split[q * dim + d];
+        g += a[qi] * do_split[q * dim + d] + c1[qi] * u_split[q * dim + d];
         du_split[q * dim + d] += c1[qi] * x;
       }
       dv[i][d] = static_cast<at::BFloat16>(g);
@@ -1222,11 +1224,12 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   std::vector<InRows> dy_sites(Q);
   for (int64_t q = 0; q < Q; ++q) dy_sites[q] = {dy.data + q * M * dy.row_bytes, dy.row_bytes, dy.dtype};
   const int64_t dy_steps_per_source = (Q * D * static_cast<int64_t>(c10::elementSize(dy.dtype)) / 64 + N - 1) / N;
-  // Without the out norm the gradient of h_q is dy_q itself: bf16 rows then read dy's rows in
-  // place (bf16_even_odd splits them as the sums need), without a float copy split per row.
-  // Measured at N=9, 8192 rows, D=1024 (2 threads, % of a copy of the floor's bytes, three A/B
-  // runs): 3 sites 62-65 -> 69-72 %, 1 site 82-85 -> 89-90 %.
-  const bool do_is_dy = bf16_rows && g == nullptr && dy.dtype == at::kBFloat16;
+  // Without the out norm the gradient of h_q is dy_q itself: bf16 rows of dy are then converted
+  // straight into the split order the bf16 sweeps read (bf16_row_split), without a float copy in
+  // order and a split pass. With bf16_from_even_odd's rounding, measured at N=9, 8192 rows, D=1024
+  // (2 threads, % of a copy of the floor's bytes, three A/B runs): 3 sites 62-65 -> 69-72 %, 1 site
+  // 82-85 -> 89-90 %. (Reading dy's bf16 rows in place in every sweep instead measured the same.)
+  const bool dy_split = bf16_rows && g == nullptr && dy.dtype == at::kBFloat16;
 
   BlockQueue chunks(num_chunks);
   at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
@@ -1275,7 +1278,10 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         for (int64_t q = 0; q < Q; ++q) {
           softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
                           alpha_a.data() + q);
-          if (!do_is_dy) {
+          if (dy_split) {
+            bf16_row_split(reinterpret_cast<const at::BFloat16*>(dy.data + (q * M + p) * dy.row_bytes), D,
+                           do_split.data() + q * D);
+          } else {
             const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
             std::copy(dyq, dyq + D, do_.data() + q * D);
           }
@@ -1317,6 +1323,22 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
               gy_h += dq[d] * hq[d];
             }
             const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
+            if constexpr (std::is_same_v<acc_t, float>) {
+              if (bf16_rows) {  // do_q straight into the order the bf16 sweeps read (no split pass)
+                float* split = do_split.data() + q * D;
+                constexpr int64_t W = Vec::size();
+                int64_t e = 0;
+                for (; e + 2 * W <= D; e += 2 * W) {
+                  const Vec lo = Vec::loadu(dq + e) * Vec(rstd) + Vec::loadu(hq + e) * Vec(k);
+                  const Vec hi = Vec::loadu(dq + e + W) * Vec(rstd) + Vec::loadu(hq + e + W) * Vec(k);
+                  const auto [even, odd] = at::vec::deinterleave2(lo, hi);
+                  even.store(split + e);
+                  odd.store(split + e + W);
+                }
+                for (; e < D; ++e) split[e] = dq[e] * rstd + hq[e] * k;
+                continue;
+              }
+            }
             at::vec::map2<acc_t>([rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); },
                                  dq, dq, hq, D);
           }
@@ -1324,16 +1346,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
         // values), delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
-        // The rows of do for the bf16 sweeps: fn(first row, elements from one site's row to the next).
-        auto with_do_rows = [&](auto&& fn) {
-          if (do_is_dy) {
-            return fn(reinterpret_cast<const at::BFloat16*>(dy.data + p * dy.row_bytes),
-                      M * dy.row_bytes / static_cast<int64_t>(sizeof(at::BFloat16)));
-          }
-          return fn(static_cast<const float*>(do_split.data()), D);
-        };
         if constexpr (std::is_same_v<acc_t, float>) {
-          for (int64_t q = 0; bf16_rows && !do_is_dy && q < Q; ++q) {
+          for (int64_t q = 0; bf16_rows && !dy_split && g == nullptr && q < Q; ++q) {
             split_even_odd(do_.data() + q * D, D, do_split.data() + q * D);
           }
         }
@@ -1342,9 +1356,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           if constexpr (std::is_same_v<acc_t, float>) {  // <do_q, v_i> of every site in one sweep over v_i
             if (bf16_rows) {
               with_site_count(Q, [&](auto sites) {
-                with_do_rows([&](auto do_rows, int64_t do_stride) {
-                  sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_rows, do_stride, D, dots.data());
-                });
+                sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_split.data(), D, dots.data());
               });
             }
           }
@@ -1380,11 +1392,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         if constexpr (std::is_same_v<acc_t, float>) {
           if (bf16_rows) {
             with_site_count(Q, [&](auto sites) {
-              with_do_rows([&](auto do_rows, int64_t do_stride) {
-                bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_rows,
-                                                          do_stride, u_split.data(), du_split.data(), D, dvb.data(),
-                                                          stream_bf16, next_row);
-              });
+              bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_split.data(),
+                                                        u_split.data(), du_split.data(), D, dvb.data(), stream_bf16,
+                                                        next_row);
             });
             if (flush) {
               for (int64_t q = 0; q < Q; ++q) accumulate_unsplit(du_c + q * D, du_split.data() + q * D, D);
