@@ -7,7 +7,11 @@ interpreter runs one program at a time in numpy.
 
 import importlib
 import itertools
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -363,6 +367,60 @@ def test_cpu_decode_nan_propagates_like_the_reference():
     assert torch.equal(torch.isnan(out), torch.isnan(expected)) and bool(torch.isnan(out[0, 2:]).all())
     torch.testing.assert_close(out, expected, equal_nan=True)
     torch.testing.assert_close(lse, expected_lse, equal_nan=True)
+
+
+BF16_DOT_EVENT = "attnres::attn_fwd_decode_bf16_dot"  # bf16 decode scores by vdpbf16ps
+
+
+def machine_takes_bf16_dot() -> bool:
+    """Whether this machine's build takes the bf16 decode scores with AVX512-BF16: the CPU has it
+    and the build targets AVX-512 (setup.py builds for the build machine unless
+    ATTNRES_CPU_CAPABILITY asks for less), unless ATTNRES_CPU_BF16_DOT=0 turns it off."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return (
+        "avx512_bf16" in flags
+        and os.environ.get("ATTNRES_CPU_CAPABILITY", "auto") in ("auto", "avx512")
+        and os.environ.get("ATTNRES_CPU_BF16_DOT") != "0"
+    )
+
+
+def check_bf16_decode_scores():
+    """bf16 decode steps read in place (1-4 query rows per kv head; whole 32-column blocks,
+    a last 16-column one, or both; groups of 16 keys and the keys after them; a scale that
+    is not a power of 2) against the reference, forward and backward, and NaN propagation;
+    the scores are taken with AVX512-BF16 exactly when the machine has it."""
+    for tq, tk, heads, kv_heads, dh, scale in [
+        (1, 700, 8, 8, 64, None),
+        (1, 300, 8, 2, 80, 0.3),
+        (2, 37, 4, 2, 16, None),
+        (1, 513, 2, 1, 48, 0.7),
+    ]:
+        q, k, v = decode_qkv(2, heads, kv_heads, tq, tk, dh, torch.bfloat16)
+        mask = make_mask(2, tk)
+        events = attnres_ops_called(lambda: ak.attention(q, k, v, key_padding_mask=mask, scale=scale))
+        assert DECODE_EVENT in events and (BF16_DOT_EVENT in events) == machine_takes_bf16_dot(), events
+        compare("cpu", q, k, v, True, mask, scale=scale)
+    q, k, v = decode_qkv(1, 2, 1, 1, 300, 64, torch.bfloat16)
+    k[0, 0, 20, 5] = float("nan")
+    assert bool(torch.isnan(ak.attention(q, k, v)).all())
+
+
+def test_cpu_decode_bf16_scores():
+    check_bf16_decode_scores()
+
+
+def test_cpu_decode_bf16_scores_without_avx512_bf16():
+    """The same with ATTNRES_CPU_BF16_DOT=0 (read once per process: a subprocess), the
+    path of CPUs without AVX512-BF16."""
+    tests = Path(__file__).resolve().parent
+    code = "import test_attention; test_attention.check_bf16_decode_scores(); print('checked')"
+    env = {**os.environ, "ATTNRES_CPU_BF16_DOT": "0", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr
 
 
 def test_cpu_decode_gradcheck_fp64():

@@ -37,7 +37,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -466,7 +469,7 @@ inline bool use_decode_path(const Problem& p) { return p.tq >= 1 && p.group * p.
 // as two vectors, a last single vector on its own. Blocks of bf16 (with AVX512)
 // come out as (even elements, odd elements): two integer ops per block, no
 // cross-lane widening. The dot products and the output accumulator only need
-// q, the keys, the values and the accumulator in one order (see decode_position).
+// q, the keys, the values and the accumulator in one order (see LoadOrder).
 template <typename Src, typename T>
 struct RowLoad {
   static constexpr bool kPermuted = false;
@@ -507,14 +510,43 @@ struct RowLoad<c10::BFloat16, float> {
 };
 #endif
 
-// Where element e of a row of `cols` columns lands when loaded by RowLoad<Src, T>.
+// A row of `cols` columns into the order RowLoad<Src, T> loads rows in (LoadOrder::to), and back
+// (LoadOrder::from): with bf16 rows each block of 2W elements is (its even elements, its odd ones);
+// a last single vector keeps its order. Two permutes per block (a scalar scatter of a decode step's
+// query and output rows cost ~1 µs per call).
 template <typename Src, typename T>
-inline int64_t decode_position(int64_t e, int64_t cols) {
-  constexpr int64_t W = Vec<T>::size();
-  if (!RowLoad<Src, T>::kPermuted || e >= cols / (2 * W) * (2 * W)) return e;
-  const int64_t i = e % (2 * W);
-  return e - i + (i % 2) * W + i / 2;
-}
+struct LoadOrder {
+  static void to(const T* src, T* dst, int64_t cols) { std::copy(src, src + cols, dst); }
+  static void from(const T* src, T* dst, int64_t cols) { std::copy(src, src + cols, dst); }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+struct LoadOrder<c10::BFloat16, float> {
+  static void to(const float* src, float* dst, int64_t cols) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    int64_t d = 0;
+    for (; d + 32 <= cols; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
+      _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, even, hi));
+      _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(lo, odd, hi));
+    }
+    std::copy(src + d, src + cols, dst + d);
+  }
+  static void from(const float* src, float* dst, int64_t cols) {
+    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
+    int64_t d = 0;
+    for (; d + 32 <= cols; d += 32) {
+      const __m512 even = _mm512_loadu_ps(src + d), odd = _mm512_loadu_ps(src + d + 16);
+      _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(even, lo_idx, odd));
+      _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(even, hi_idx, odd));
+    }
+    std::copy(src + d, src + cols, dst + d);
+  }
+};
+#endif
 
 // <q[0:cols], x[0:cols]> (cols a multiple of W), x loaded by RowLoad<Src, T>.
 template <typename T, typename Src>
@@ -541,46 +573,21 @@ constexpr bool kScores16 = false;
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-// s[r · lds + j] = <q_r[0:cols], x_j[0:cols]> for RB query rows q_r = q + r · ldq and 16 / RB key rows
-// x_j = x + j · ld (cols a multiple of 16): each key vector is loaded once for the RB rows, one
-// accumulator per (row, key), then one shuffle-and-add tree for the 16 horizontal sums (45 ops
-// instead of 16 separate reductions).
-template <typename Src, int RB>
-inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t ld, int64_t cols, float* s,
-                            int64_t lds) {
-  constexpr int64_t W = 16;
-  constexpr int KB = 16 / RB;
-  __m512 acc[16];
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  int64_t d = 0;
-  for (; d + 2 * W <= cols; d += 2 * W) {
-    __m512 q0[RB], q1[RB];
-    for (int r = 0; r < RB; ++r) {
-      q0[r] = _mm512_loadu_ps(q + r * ldq + d);
-      q1[r] = _mm512_loadu_ps(q + r * ldq + d + W);
-    }
-    for (int j = 0; j < KB; ++j) {
-      Vec<float> a, b;
-      RowLoad<Src, float>::block(x + j * ld + d, a, b);
-      for (int r = 0; r < RB; ++r)
-        acc[r * KB + j] = _mm512_fmadd_ps(q1[r], b, _mm512_fmadd_ps(q0[r], a, acc[r * KB + j]));
-    }
-  }
-  if (d < cols) {
-    for (int j = 0; j < KB; ++j) {
-      const __m512 a = RowLoad<Src, float>::single(x + j * ld + d);
-      for (int r = 0; r < RB; ++r)
-        acc[r * KB + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * ldq + d), a, acc[r * KB + j]);
-    }
-  }
+// The horizontal sums of 16 vectors, in order, as one vector: one shuffle-and-add tree (45 ops
+// instead of 16 separate reductions). Here and in the score functions below the loops over
+// accumulators are unrolled by pragma: otherwise GCC keeps the accumulator array in memory and
+// stores all 16 of them at every block of columns.
+__attribute__((always_inline)) inline __m512 sum16(const __m512* acc) {
   // Pairs: per 128-bit lane (a0+a2, b0+b2, a1+a3, b1+b3).
   __m512 c[8];
+#pragma GCC unroll 16
   for (int i = 0; i < 8; ++i) {
     c[i] =
         _mm512_add_ps(_mm512_unpacklo_ps(acc[2 * i], acc[2 * i + 1]), _mm512_unpackhi_ps(acc[2 * i], acc[2 * i + 1]));
   }
   // Quads: per 128-bit lane the partial sums of accumulators 4i..4i+3 in order.
   __m512 e[4];
+#pragma GCC unroll 16
   for (int i = 0; i < 4; ++i) {
     const __m512d x0 = _mm512_castps_pd(c[2 * i]), x1 = _mm512_castps_pd(c[2 * i + 1]);
     e[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x0, x1)), _mm512_castpd_ps(_mm512_unpackhi_pd(x0, x1)));
@@ -589,8 +596,92 @@ inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t l
   const auto fold = [](__m512 a, __m512 b) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
   };
+  return fold(fold(e[0], e[1]), fold(e[2], e[3]));
+}
+
+// s[r · lds + j] = <q_r[0:cols], x_j[0:cols]> for RB query rows q_r = q + r · ldq and 16 / RB key rows
+// x_j = x + j · ld (cols a multiple of 16): each key vector is loaded once for the RB rows, one
+// accumulator per (row, key), then sum16.
+template <typename Src, int RB>
+inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t ld, int64_t cols, float* s,
+                            int64_t lds) {
+  constexpr int64_t W = 16;
+  constexpr int KB = 16 / RB;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  int64_t d = 0;
+  for (; d + 2 * W <= cols; d += 2 * W) {
+    __m512 q0[RB], q1[RB];
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) {
+      q0[r] = _mm512_loadu_ps(q + r * ldq + d);
+      q1[r] = _mm512_loadu_ps(q + r * ldq + d + W);
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      Vec<float> a, b;
+      RowLoad<Src, float>::block(x + j * ld + d, a, b);
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(q1[r], b, _mm512_fmadd_ps(q0[r], a, acc[r * KB + j]));
+    }
+  }
+  if (d < cols) {
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      const __m512 a = RowLoad<Src, float>::single(x + j * ld + d);
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r)
+        acc[r * KB + j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * ldq + d), a, acc[r * KB + j]);
+    }
+  }
   alignas(64) float out[16];
-  _mm512_store_ps(out, fold(fold(e[0], e[1]), fold(e[2], e[3])));
+  _mm512_store_ps(out, sum16(acc));
+#pragma GCC unroll 16
+  for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
+}
+
+// Whether the CPU has AVX512-BF16 (vdpbf16ps), asked once. ATTNRES_CPU_BF16_DOT=0 turns its use off
+// (the tests run both paths on a machine that has it).
+inline bool use_bf16_dot() {
+  static const bool use = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("ATTNRES_CPU_BF16_DOT");
+    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+  }();
+  return use;
+}
+
+// decode_scores16 of bf16 rows on a CPU with AVX512-BF16, times `scale`: q_r the raw bf16 query rows
+// (unscaled, in element order, as the key rows), each 32-column block of a (query, key) pair one
+// vdpbf16ps (the bf16 products are exact in fp32, summed in fp32; subnormal bf16 count as 0). A
+// 64-column key row costs 2 loads and 2 of them instead of 2 loads, 4 conversions and 4 FMAs.
+// Compiled for that target alone and called only when use_bf16_dot().
+template <int RB>
+__attribute__((target("avx512bf16"), noinline)) void decode_scores16_bf16_dot(const c10::BFloat16* q, int64_t ldq,
+                                                                              const c10::BFloat16* x, int64_t ld,
+                                                                              int64_t cols, float scale, float* s,
+                                                                              int64_t lds) {
+  constexpr int KB = 16 / RB;
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < cols; d += 32) {
+    const __mmask32 lanes = d + 32 <= cols ? ~__mmask32(0) : __mmask32(0xffff);  // 16 last columns: the rest load 0
+    __m512bh qv[RB];
+#pragma GCC unroll 16
+    for (int r = 0; r < RB; ++r) qv[r] = (__m512bh)_mm512_maskz_loadu_epi16(lanes, q + r * ldq + d);
+#pragma GCC unroll 16
+    for (int j = 0; j < KB; ++j) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(lanes, x + j * ld + d);
+#pragma GCC unroll 16
+      for (int r = 0; r < RB; ++r) acc[r * KB + j] = _mm512_dpbf16_ps(acc[r * KB + j], qv[r], kv);
+    }
+  }
+  alignas(64) float out[16];
+  _mm512_store_ps(out, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
+#pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
 }
 #endif
@@ -654,11 +745,25 @@ inline void decode_gather(T* acc, int64_t lda, const T* p, int64_t ldp, const Sr
 
 // The per-thread state of decode programs: R query rows (scaled, in the order
 // RowLoad<Src, T> loads rows), their accumulators, scores of one chunk, running
-// max and sum; `cols` columns are read (Dh, or Dh padded when packed).
+// max and sum; `cols` columns are read (Dh, or Dh padded when packed). With
+// `bf16_dot` (bf16 rows read in place on a CPU with AVX512-BF16) the scores of
+// whole groups of 16 keys come from decode_scores16_bf16_dot: q_bf16 holds the raw
+// query rows (`cols` each) and `scale` multiplies their sums.
 template <typename T>
 struct DecodeRows {
   std::vector<T> q, acc, s, m, l;
-  DecodeRows(int64_t rows, int64_t dhp) : q(rows * dhp), acc(rows * dhp), s(rows * kDecodeChunk), m(rows), l(rows) {}
+  std::vector<c10::BFloat16> q_bf16;
+  bool bf16_dot;
+  T scale;
+  DecodeRows(int64_t rows, int64_t dhp, int64_t cols, bool bf16_dot, T scale)
+      : q(rows * dhp),
+        acc(rows * dhp),
+        s(rows * kDecodeChunk),
+        m(rows),
+        l(rows),
+        q_bf16(bf16_dot ? rows * cols : 0),
+        bf16_dot(bf16_dot),
+        scale(scale) {}
 };
 
 // Keys [c0, c0 + n) of the chunk (rows of Src: in place, or packed as T) against every query row,
@@ -686,6 +791,19 @@ inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int6
               __builtin_prefetch(k_rows + jj * k_ld + d);
               __builtin_prefetch(v_rows + jj * v_ld + d);
             }
+          }
+        }
+        if constexpr (std::is_same_v<Src, c10::BFloat16>) {
+          if (st.bf16_dot) {
+            const c10::BFloat16* qs = st.q_bf16.data() + r0 * cols;
+            if (rb == 4) {
+              decode_scores16_bf16_dot<4>(qs, cols, x, k_ld, cols, st.scale, s + j, C);
+            } else if (rb == 2) {
+              decode_scores16_bf16_dot<2>(qs, cols, x, k_ld, cols, st.scale, s + j, C);
+            } else {
+              decode_scores16_bf16_dot<1>(qs, cols, x, k_ld, cols, st.scale, s + j, C);
+            }
+            continue;
           }
         }
         if (rb == 4) {
@@ -746,8 +864,17 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const bool whole = dh % W == 0;
   const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows);
   const bool permuted = whole && RowLoad<scalar_t, T>::kPermuted;
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && in_place && use_bf16_dot();
+#else
+  const bool bf16_dot = false;
+#endif
+  std::optional<at::RecordFunction> bf16_dot_event;  // tells the tests which scores ran
+  if (bf16_dot) {
+    bf16_dot_event.emplace(at::RecordScope::FUNCTION);
+    if (bf16_dot_event->isActive()) bf16_dot_event->before("attnres::attn_fwd_decode_bf16_dot");
+  }
   const int64_t cols = whole ? dh : dhp;
-  const auto position = [&](int64_t e) { return permuted ? decode_position<scalar_t, T>(e, dh) : e; };
   const int64_t kv_bytes = 2 * units * p.tk * dh * static_cast<int64_t>(sizeof(scalar_t));
   // Caches that come from memory rather than a cache level: ask for the next chunk's rows ahead (measured
   // 14-16 % faster at 67-134 MB, 5-9 % slower at 16-32 MB, where the hardware prefetch suffices).
@@ -756,12 +883,15 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   std::vector<T> part_acc(splits > 1 ? units * splits * rows * dhp : 0);
 
   // Writes the output row and lse of query row r (= g · Tq + t) of kv head (b, hk) from its
-  // accumulator acc[0:dhp] (in load order), running max m and sum l; tmp: dhp values.
-  const auto finish_row = [&](int64_t b, int64_t hk, int64_t r, const T* acc, T m, T l, T* tmp) {
+  // accumulator acc[0:dhp] (in load order; scaled in place), running max m and sum l; tmp: dhp values.
+  const auto finish_row = [&](int64_t b, int64_t hk, int64_t r, T* acc, T m, T l, T* tmp) {
     const int64_t row = (b * p.heads + hk * p.group + r / p.tq) * p.tq + r % p.tq;
     lse_data[row] = l == T(0) ? kNegInf : m + std::log(l);
-    for (int64_t e = 0; e < dh; ++e) tmp[e] = acc[position(e)];
-    store_row(tmp, dh, l == T(0) ? T(0) : T(1) / l, out_data + row * dh);  // no visible key: output 0
+    if (permuted) {
+      LoadOrder<scalar_t, T>::from(acc, tmp, dh);
+      acc = tmp;
+    }
+    store_row(acc, dh, l == T(0) ? T(0) : T(1) / l, out_data + row * dh);  // no visible key: output 0
   };
 
   // Packs n rows starting at x.row(b, h, c0) as T rows of dhp columns in load order.
@@ -786,14 +916,22 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const int64_t item_work = std::min(kv_len, kDecodeSplit) * rows * dh;
   const int64_t grain = std::max<int64_t>(1, ceil_div(kDecodeGrain, std::max<int64_t>(item_work, 1)));
   at::parallel_for(0, units * splits, grain, [&](int64_t begin, int64_t end) {
-    DecodeRows<T> st(rows, dhp);
+    DecodeRows<T> st(rows, dhp, cols, bf16_dot, scale);
     std::vector<T> kbuf(in_place ? 0 : C * dhp), vbuf(in_place ? 0 : C * dhp), tmp(dhp);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / splits, split = item % splits, b = unit / p.kv_heads, hk = unit % p.kv_heads;
       for (int64_t r = 0; r < rows; ++r) {
-        load_row(Q.row(b, hk * p.group + r / p.tq, r % p.tq), dh, scale, tmp.data(), dhp);
+        const scalar_t* q_row = Q.row(b, hk * p.group + r / p.tq, r % p.tq);
+        if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+          if (bf16_dot) std::copy(q_row, q_row + dh, st.q_bf16.begin() + r * cols);
+        }
+        load_row(q_row, dh, scale, tmp.data(), dhp);
         T* qr = st.q.data() + r * dhp;
-        for (int64_t e = 0; e < dhp; ++e) qr[position(e)] = tmp[e];  // padding columns are 0
+        if (permuted) {  // padding columns are 0
+          LoadOrder<scalar_t, T>::to(tmp.data(), qr, dhp);
+        } else {
+          std::copy(tmp.begin(), tmp.end(), qr);
+        }
       }
       std::fill(st.acc.begin(), st.acc.end(), T(0));
       std::fill(st.m.begin(), st.m.end(), kNegInf);
