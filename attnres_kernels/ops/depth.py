@@ -113,13 +113,30 @@ def read_unchecked(
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
+# What "auto" and "cpu" resolve to for CPU sources when the extension has the CPU kernel (which takes
+# every width and dtype; only weighted normalised values go to the reference): known at import, so
+# that a call skips the resolution (a small read's kernel is tens of µs, and the Python around it
+# runs with cold caches after the kernel and autograd).
+_CPU_KERNEL = _native.has_kernel("depth_attn_fwd", "cpu")
+_CPU_BACKENDS = frozenset(("auto", "cpu"))
+
+
 def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, return_lse, return_weights):
     """Runs a checked read (``args``; a merge when ``prefix`` is given) on the backend ``backend`` resolves to."""
     weighted_values = args.options.normalize_values and norm_weight is not None
-    compute_dtype = torch.promote_types(args.input_dtype, args.dtype)
-    chosen = resolve_backend(
-        backend, args.device, args.sources[0].shape[-1], compute_dtype, args.options, weighted_values
-    )
+    if (
+        backend in _CPU_BACKENDS
+        and not weighted_values
+        and args.sources[0].is_cpu
+        and _CPU_KERNEL
+        and _native.available()
+    ):
+        chosen = "cpu"
+    else:
+        compute_dtype = torch.promote_types(args.input_dtype, args.dtype)
+        chosen = resolve_backend(
+            backend, args.device, args.sources[0].shape[-1], compute_dtype, args.options, weighted_values
+        )
     if prefix is not None and chosen != "reference":
         prefix = (prefix[0], prefix[1].to(args.acc_dtype))
     return read_unchecked(
