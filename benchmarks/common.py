@@ -11,6 +11,25 @@ import attnres_kernels as ak
 from attnres_kernels import reference
 
 
+def cpu_description() -> str:
+    """The CPU as /proc/cpuinfo names it, with its family/model and the vector extensions the
+    kernels and PyTorch's may use (the shared VMs differ between sessions: a Cascade Lake
+    without AVX512-BF16 on some days, an AMX machine on others)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return "unknown CPU"
+    info = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(info.get("flags", "").split())
+    extensions = [name for flag, name in FLAG_NAMES if flag in flags]
+    name, family, model = info.get("model name", "unknown CPU"), info.get("cpu family", "?"), info.get("model", "?")
+    return f"{name} (family {family} model {model}; {', '.join(extensions) or 'no AVX-512'})"
+
+
+FLAG_NAMES = (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+
+
 def run_times(fn, min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 1, setup=None) -> list:
     """Wall times of ``fn()`` over at least ``min_runs`` runs and ``min_seconds``;
     ``setup()`` runs untimed before every run (and before every warmup run)."""

@@ -38,6 +38,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 import attnres_kernels as ak
 
+from common import cpu_description
+
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_step.md")
 SAMPLE_SECONDS = 0.002
 MULTI_THREAD_ROUNDS = 20  # with more than one thread: this many times --rounds single-call samples
@@ -146,7 +148,7 @@ def main(argv=None) -> None:
         f"{args.rounds * MULTI_THREAD_ROUNDS} interleaved single calls by wall clock (the cores are shared: a call "
         "that waits for a core held by another process is not the kernel's time), SDPA / ours = ratio of those. "
         "GB/s: ours = K/V bytes read / time; copy = a `copy_` of the same K/V bytes into a reused buffer, (read + "
-        "written) / time. Load average (1, 5, 15 min) before: "
+        f"written) / time. CPU: {cpu_description()}. Load average (1, 5, 15 min) before: "
         f"{', '.join(f'{x:.2f}' for x in load_before)}; after: {', '.join(f'{x:.2f}' for x in load_after)}."
     )
     table = header + "\n\n" + "\n".join(lines)

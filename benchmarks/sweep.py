@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -37,6 +36,7 @@ from attnres_kernels._validation import PAPER_READ
 from attnres_kernels.ops import depth as depth_ops
 
 from common import (
+    cpu_description,
     empty_output_cache,
     forward_backward,
     fused_read,
@@ -437,15 +437,9 @@ def main(argv=None):
     )
     parser.add_argument("--reads-only", action="store_true", help="skip the model training steps")
     args = parser.parse_args(argv)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     meta = dict(
         date=time.strftime("%Y-%m-%d"),
-        cpu=cpu,
+        cpu=cpu_description(),
         threads=torch.get_num_threads(),
         torch=torch.__version__,
         build=ak.build_info(),
