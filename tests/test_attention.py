@@ -375,7 +375,7 @@ BF16_DOT_EVENT = "attnres::attn_fwd_decode_bf16_dot"  # bf16 decode scores by vd
 def machine_takes_bf16_dot() -> bool:
     """Whether this machine's build takes the bf16 decode scores with AVX512-BF16: the CPU has it
     and the build targets AVX-512 (setup.py builds for the build machine unless
-    ATTNRES_CPU_CAPABILITY asks for less), unless ATTNRES_CPU_BF16_DOT=0 turns it off."""
+    ATTNRES_CPU_CAPABILITY asks for less), unless ATTNRES_CPU_AVX512_BF16=0 turns it off."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
@@ -384,7 +384,7 @@ def machine_takes_bf16_dot() -> bool:
     return (
         "avx512_bf16" in flags
         and os.environ.get("ATTNRES_CPU_CAPABILITY", "auto") in ("auto", "avx512")
-        and os.environ.get("ATTNRES_CPU_BF16_DOT") != "0"
+        and os.environ.get("ATTNRES_CPU_AVX512_BF16") != "0"
     )
 
 
@@ -414,11 +414,11 @@ def test_cpu_decode_bf16_scores():
 
 
 def test_cpu_decode_bf16_scores_without_avx512_bf16():
-    """The same with ATTNRES_CPU_BF16_DOT=0 (read once per process: a subprocess), the
+    """The same with ATTNRES_CPU_AVX512_BF16=0 (read once per process: a subprocess), the
     path of CPUs without AVX512-BF16."""
     tests = Path(__file__).resolve().parent
     code = "import test_attention; test_attention.check_bf16_decode_scores(); print('checked')"
-    env = {**os.environ, "ATTNRES_CPU_BF16_DOT": "0", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    env = {**os.environ, "ATTNRES_CPU_AVX512_BF16": "0", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr
 

@@ -37,15 +37,14 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <optional>
-#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "../attention.h"
+#include "row_math.h"
 
 namespace attnres {
 namespace {
@@ -642,22 +641,11 @@ inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t l
   for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
 }
 
-// Whether the CPU has AVX512-BF16 (vdpbf16ps), asked once. ATTNRES_CPU_BF16_DOT=0 turns its use off
-// (the tests run both paths on a machine that has it).
-inline bool use_bf16_dot() {
-  static const bool use = [] {
-    __builtin_cpu_init();
-    const char* env = std::getenv("ATTNRES_CPU_BF16_DOT");
-    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
-  }();
-  return use;
-}
-
 // decode_scores16 of bf16 rows on a CPU with AVX512-BF16, times `scale`: q_r the raw bf16 query rows
 // (unscaled, in element order, as the key rows), each 32-column block of a (query, key) pair one
 // vdpbf16ps (the bf16 products are exact in fp32, summed in fp32; subnormal bf16 count as 0). A
 // 64-column key row costs 2 loads and 2 of them instead of 2 loads, 4 conversions and 4 FMAs.
-// Compiled for that target alone and called only when use_bf16_dot().
+// Compiled for that target alone and called only when use_avx512_bf16().
 template <int RB>
 __attribute__((target("avx512bf16"), noinline)) void decode_scores16_bf16_dot(const c10::BFloat16* q, int64_t ldq,
                                                                               const c10::BFloat16* x, int64_t ld,
@@ -865,7 +853,7 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows);
   const bool permuted = whole && RowLoad<scalar_t, T>::kPermuted;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && in_place && use_bf16_dot();
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && in_place && use_avx512_bf16();
 #else
   const bool bf16_dot = false;
 #endif

@@ -10,8 +10,25 @@
 #endif
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 namespace attnres {
+
+#if defined(CPU_CAPABILITY_AVX512)
+// Whether this CPU has AVX512-BF16 (vdpbf16ps), asked once per process: the kernels that
+// use it (the bf16 decode scores) are compiled for that target alone and called only when
+// this is true. ATTNRES_CPU_AVX512_BF16=0 turns their use off (the tests run both paths on a machine
+// that has it).
+inline bool use_avx512_bf16() {
+  static const bool use = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("ATTNRES_CPU_AVX512_BF16");
+    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+  }();
+  return use;
+}
+#endif
 
 // Makes this thread's non-temporal stores visible before the parallel region ends.
 inline void fence_streaming_stores() {
