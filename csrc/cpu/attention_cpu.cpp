@@ -521,29 +521,9 @@ struct LoadOrder {
 
 #if defined(CPU_CAPABILITY_AVX512)
 template <>
-struct LoadOrder<c10::BFloat16, float> {
-  static void to(const float* src, float* dst, int64_t cols) {
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    int64_t d = 0;
-    for (; d + 32 <= cols; d += 32) {
-      const __m512 lo = _mm512_loadu_ps(src + d), hi = _mm512_loadu_ps(src + d + 16);
-      _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(lo, even, hi));
-      _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(lo, odd, hi));
-    }
-    std::copy(src + d, src + cols, dst + d);
-  }
-  static void from(const float* src, float* dst, int64_t cols) {
-    const __m512i lo_idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i hi_idx = _mm512_add_epi32(lo_idx, _mm512_set1_epi32(8));
-    int64_t d = 0;
-    for (; d + 32 <= cols; d += 32) {
-      const __m512 even = _mm512_loadu_ps(src + d), odd = _mm512_loadu_ps(src + d + 16);
-      _mm512_storeu_ps(dst + d, _mm512_permutex2var_ps(even, lo_idx, odd));
-      _mm512_storeu_ps(dst + d + 16, _mm512_permutex2var_ps(even, hi_idx, odd));
-    }
-    std::copy(src + d, src + cols, dst + d);
-  }
+struct LoadOrder<c10::BFloat16, float> {  // blocks of 2W = 32: the order of split_even_odd
+  static void to(const float* src, float* dst, int64_t cols) { split_even_odd(src, cols, dst); }
+  static void from(const float* src, float* dst, int64_t cols) { merge_even_odd(src, cols, dst); }
 };
 #endif
 

@@ -262,20 +262,6 @@ inline Vectorized<at::BFloat16> bf16_from_even_odd(const Vectorized<float>& even
 #endif
 }
 
-// u with each run of 2W values reordered as its even-indexed values, then its
-// odd-indexed ones (the tail past the last full run as is).
-inline void split_even_odd(const float* u, int64_t n, float* out) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t W = fVec::size();
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    auto [even, odd] = at::vec::deinterleave2(fVec::loadu(u + d), fVec::loadu(u + d + W));
-    even.store(out + d);
-    odd.store(out + d + W);
-  }
-  std::copy(u + d, u + n, out + d);
-}
-
 // A bf16 row as floats in the order split_even_odd gives (through bf16_even_odd: no shuffles).
 inline void bf16_row_split(const at::BFloat16* x, int64_t n, float* out) {
   using fVec = Vectorized<float>;

@@ -9,6 +9,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -36,6 +37,26 @@ inline void fence_streaming_stores() {
   _mm_sfence();
 #endif
 }
+
+// Each run of 2W values of u reordered as its even-indexed values, then its odd-indexed
+// ones (kSplit), or back (!kSplit); the tail past the last full run as is. Split is the
+// order in which the kernels load bf16 rows as two float vectors with two integer ops.
+template <bool kSplit>
+inline void reorder_even_odd(const float* u, int64_t n, float* out) {
+  using fVec = at::vec::Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const fVec a = fVec::loadu(u + d), b = fVec::loadu(u + d + W);
+    auto [first, second] = kSplit ? at::vec::deinterleave2(a, b) : at::vec::interleave2(a, b);
+    first.store(out + d);
+    second.store(out + d + W);
+  }
+  std::copy(u + d, u + n, out + d);
+}
+
+inline void split_even_odd(const float* u, int64_t n, float* out) { reorder_even_odd<true>(u, n, out); }
+inline void merge_even_odd(const float* split, int64_t n, float* out) { reorder_even_odd<false>(split, n, out); }
 
 // <a, b> with two vector accumulators (halves the FMA dependency chain).
 template <typename T>
