@@ -182,10 +182,11 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
         assert_close_to_oracle(name, a, b, c)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     "rows,d,q,out_norm,normalize",
     [
-        (1400, 1024, None, False, False),  # 8.2 MiB of source gradients: streamed (rows 64-byte aligned)
+        (1400, 1024, None, False, False),  # 8.2 (bf16) MiB of source gradients: streamed (64-byte aligned rows)
         (1400, 1000, 2, True, False),  # rows not aligned: stored; a tail past the last 32 values
         (9000, 64, None, True, True),  # 36-row chunks: du summed in float over 32 rows, then 4
         (300, 96, 3, False, True),
@@ -194,11 +195,12 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
         (300, 64, 5, False, False),  # more: the float path
     ],
 )
-def test_bf16_backward_reads_rows_in_place(rows, d, q, out_norm, normalize):
-    """The backward of bf16 sources without a merge prefix reads the rows as bf16 (no float copy)
-    and forms du in the same sweep as the source gradients; without an out norm it converts the bf16
-    output gradients straight into the order those sweeps read: gradients against the reference."""
-    sources = make_sources(3, (rows,), d, torch.bfloat16)
+def test_backward_sweeps_read_rows_in_place(dtype, rows, d, q, out_norm, normalize):
+    """The backward of bf16 or fp32 sources without a merge prefix, for up to 4 sites, sweeps over
+    the rows in place (bf16 without a float copy), every site at once, and forms du in the same
+    sweep as the source gradients; without an out norm it converts the output gradients straight
+    into the order those sweeps read: gradients against the reference."""
+    sources = make_sources(3, (rows,), d, dtype)
     w, g, g_out = site_params(q, d)
     kw = dict(out_norm_weight=g_out if out_norm else None, normalize_values=normalize, scale=0.5)
     gamma = None if normalize else g

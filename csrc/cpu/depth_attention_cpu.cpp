@@ -310,23 +310,41 @@ inline void with_site_count(int64_t count, Fn&& fn) {
   }
 }
 
-// sum(x^2) and <y_q, x> for the G sites q < G of one bf16 row, in one sweep over it; y is
-// [G, n], each row split as split_even_odd splits it. (Converting the row to float first and
-// taking G + 1 dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
-template <int G>
-inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, int64_t n, float* dots) {
+// The sweeps over a row set that the multi-query bf16 and fp32 reads make (sumsq_and_dots_rows,
+// weighted_sums_rows, source_grads_rows) read each source row as vector pairs through
+// vectors_for_sums: a bf16 pair as its even-indexed values, then its odd ones, an fp32 pair in
+// order. "Sum order" names that order; float rows that meet a source row (u, do, du) are kept in it:
+// split as split_even_odd splits them for bf16 sources, as they are for fp32 ones.
+template <typename src_t>
+constexpr bool kSplitSumOrder = std::is_same_v<src_t, at::BFloat16>;
+
+// A float row u in the sum order of src_t rows.
+template <typename src_t>
+inline void to_sum_order(const float* u, int64_t n, float* out) {
+  if constexpr (kSplitSumOrder<src_t>) {
+    split_even_odd(u, n, out);
+  } else {
+    std::copy(u, u + n, out);
+  }
+}
+
+// sum(x^2) and <y_q, x> for the G sites q < G of one row, in one sweep over it; y is [G, n], each
+// row in the sum order. (Converting a bf16 row to float first and taking G + 1 dot products of the
+// copy left the multi-query bf16 reads at half the copy's rate.)
+template <int G, typename src_t>
+inline float sumsq_and_dots_rows(const src_t* x, const float* y_sum_order, int64_t n, float* dots) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   fVec ss(0.f), acc[G];
   for (int q = 0; q < G; ++q) acc[q] = fVec(0.f);
   int64_t d = 0;
   for (; d + 2 * W <= n; d += 2 * W) {
-    const auto [even, odd] = bf16_even_odd(x + d);
-    ss = at::vec::fmadd(odd, odd, at::vec::fmadd(even, even, ss));
+    const auto [first, second] = vectors_for_sums<src_t, float>(x + d);
+    ss = at::vec::fmadd(second, second, at::vec::fmadd(first, first, ss));
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
-      const float* y = y_split + q * n + d;
-      acc[q] = at::vec::fmadd(odd, fVec::loadu(y + W), at::vec::fmadd(even, fVec::loadu(y), acc[q]));
+      const float* y = y_sum_order + q * n + d;
+      acc[q] = at::vec::fmadd(second, fVec::loadu(y + W), at::vec::fmadd(first, fVec::loadu(y), acc[q]));
     }
   }
   auto add = [](fVec& a, fVec& b) { return a + b; };
@@ -335,7 +353,7 @@ inline float sumsq_and_dots_bf16(const at::BFloat16* x, const float* y_split, in
   for (; d < n; ++d) {
     const float xd = static_cast<float>(x[d]);
     sumsq += xd * xd;
-    for (int q = 0; q < G; ++q) dots[q] += xd * y_split[q * n + d];
+    for (int q = 0; q < G; ++q) dots[q] += xd * y_sum_order[q * n + d];
   }
   return sumsq;
 }
@@ -461,32 +479,34 @@ class LinePrefetcher {
   bool live_;
 };
 
-// h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n bf16 rows, in one sweep over the rows
+// h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n rows, in one sweep over the rows
 // (each vector of a row loaded once for all the sites); h is [G, dim], in order. `prefetch`
 // steps once per row and vector pair.
-template <int G>
-inline void weighted_sums_bf16(const at::BFloat16* const* x, const float* a, int64_t n, int64_t dim, float* h,
+template <int G, typename src_t>
+inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n, int64_t dim, float* h,
                                LinePrefetcher& prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {
-    fVec even_sums[G], odd_sums[G];
-    for (int q = 0; q < G; ++q) even_sums[q] = odd_sums[q] = fVec(0.f);
+    fVec first_sums[G], second_sums[G];
+    for (int q = 0; q < G; ++q) first_sums[q] = second_sums[q] = fVec(0.f);
     for (int64_t i = 0; i < n; ++i) {
       prefetch.step();
-      const auto [even, odd] = bf16_even_odd(x[i] + d);
+      const auto [first, second] = vectors_for_sums<src_t, float>(x[i] + d);
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
         const fVec aq(a[q * n + i]);
-        even_sums[q] = at::vec::fmadd(aq, even, even_sums[q]);
-        odd_sums[q] = at::vec::fmadd(aq, odd, odd_sums[q]);
+        first_sums[q] = at::vec::fmadd(aq, first, first_sums[q]);
+        second_sums[q] = at::vec::fmadd(aq, second, second_sums[q]);
       }
     }
     for (int q = 0; q < G; ++q) {
-      const auto [lo, hi] = at::vec::interleave2(even_sums[q], odd_sums[q]);
-      lo.store(h + q * dim + d);
-      hi.store(h + q * dim + d + W);
+      if constexpr (kSplitSumOrder<src_t>) {
+        std::tie(first_sums[q], second_sums[q]) = at::vec::interleave2(first_sums[q], second_sums[q]);
+      }
+      first_sums[q].store(h + q * dim + d);
+      second_sums[q].store(h + q * dim + d + W);
     }
   }
   for (; d < dim; ++d) {
@@ -999,7 +1019,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
                 for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                   with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
                     const acc_t group_ss =
-                        sumsq_and_dots_bf16<decltype(sites)::value>(vi, u_split.data() + q0 * D, D, dots.data() + q0);
+                        sumsq_and_dots_rows<decltype(sites)::value>(vi, u_split.data() + q0 * D, D, dots.data() + q0);
                     if (q0 == 0) ss = group_ss;
                   });
                 }
@@ -1024,7 +1044,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
               }
               for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                 with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
-                  weighted_sums_bf16<decltype(sites)::value>(v.data() + k * N, site_alpha.data() + q0 * N, N, D,
+                  weighted_sums_rows<decltype(sites)::value>(v.data() + k * N, site_alpha.data() + q0 * N, N, D,
                                                              site_h.data() + q0 * D, next_tile);
                 });
               }
@@ -1061,57 +1081,66 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 
 // ---------------------------------------------------------------- backward
 
-// The source gradients of one row of bf16 sources, in one sweep over their rows (in cache
-// after the dot products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to bf16 and
-// written to dv[i] (streamed when `stream`: rows aligned to the vector size), and
-// du_q += Σ_i c1_qi v_i. The rows are read through bf16_even_odd, so do, u and du are split
-// as split_even_odd splits them; bf16_from_even_odd rounds the results back into place.
-// The G = Q <= kSweepSites sites keep their du sums in registers over the sources.
-// (The float kernel's path converts every row to float first and sums du in a pass of its own:
-// for bf16 that conversion and the extra passes cost more than the memory traffic.)
+// The source gradients of one row set, in one sweep over its rows (in cache after the dot
+// products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to src_t and written to dv[i]
+// (streamed when `stream`: rows aligned to the vector size), and du_q += Σ_i c1_qi v_i. do, u
+// and du are in the sum order (kSplitSumOrder); bf16 results go back into place through
+// bf16_from_even_odd. The G = Q <= kSweepSites sites keep their du sums in registers over the
+// sources. (The general path converts every row to acc_t and sums du in a pass of its own: for
+// bf16 that conversion and the extra passes cost more than the memory traffic, and for fp32 the
+// extra passes over several sites' rows do.)
 // Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
-template <int G>
-C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, const float* a, const float* c1,
-                                    const float* c2, const float* do_split, const float* u_split, float* du_split,
-                                    int64_t dim, at::BFloat16* const* dv, bool stream, LinePrefetcher& prefetch) {
+template <int G, typename src_t>
+C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1, const float* c2,
+                                    const float* do_sum_order, const float* u_sum_order, float* du_sum_order,
+                                    int64_t dim, src_t* const* dv, bool stream, LinePrefetcher& prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
   for (; d + 2 * W <= dim; d += 2 * W) {
     // This vector pair of every site's do and u, loaded once for the n sources.
-    fVec du_even[G], du_odd[G], do_even[G], do_odd[G], u_even[G], u_odd[G];
+    fVec du_first[G], du_second[G], do_first[G], do_second[G], u_first[G], u_second[G];
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
-      du_even[q] = du_odd[q] = fVec(0.f);
-      do_even[q] = fVec::loadu(do_split + q * dim + d);
-      do_odd[q] = fVec::loadu(do_split + q * dim + d + W);
-      u_even[q] = fVec::loadu(u_split + q * dim + d);
-      u_odd[q] = fVec::loadu(u_split + q * dim + d + W);
+      du_first[q] = du_second[q] = fVec(0.f);
+      do_first[q] = fVec::loadu(do_sum_order + q * dim + d);
+      do_second[q] = fVec::loadu(do_sum_order + q * dim + d + W);
+      u_first[q] = fVec::loadu(u_sum_order + q * dim + d);
+      u_second[q] = fVec::loadu(u_sum_order + q * dim + d + W);
     }
     for (int64_t i = 0; i < n; ++i) {
       prefetch.step();
-      const auto [x_even, x_odd] = bf16_even_odd(v[i] + d);
-      fVec g_even = x_even * fVec(-c2[i]), g_odd = x_odd * fVec(-c2[i]);
+      const auto [x_first, x_second] = vectors_for_sums<src_t, float>(v[i] + d);
+      fVec g_first = x_first * fVec(-c2[i]), g_second = x_second * fVec(-c2[i]);
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
         const fVec aq(a[qi]), cq(c1[qi]);
-        g_even = at::vec::fmadd(aq, do_even[q], at::vec::fmadd(cq, u_even[q], g_even));
-        g_odd = at::vec::fmadd(aq, do_odd[q], at::vec::fmadd(cq, u_odd[q], g_odd));
-        du_even[q] = at::vec::fmadd(cq, x_even, du_even[q]);
-        du_odd[q] = at::vec::fmadd(cq, x_odd, du_odd[q]);
+        g_first = at::vec::fmadd(aq, do_first[q], at::vec::fmadd(cq, u_first[q], g_first));
+        g_second = at::vec::fmadd(aq, do_second[q], at::vec::fmadd(cq, u_second[q], g_second));
+        du_first[q] = at::vec::fmadd(cq, x_first, du_first[q]);
+        du_second[q] = at::vec::fmadd(cq, x_second, du_second[q]);
       }
-      const Vectorized<at::BFloat16> out = bf16_from_even_odd(g_even, g_odd);
-      if (stream) {
-        store_streaming(out, dv[i] + d);
+      src_t* out = dv[i] + d;
+      if constexpr (kSplitSumOrder<src_t>) {
+        const Vectorized<at::BFloat16> rounded = bf16_from_even_odd(g_first, g_second);
+        if (stream) {
+          store_streaming(rounded, out);
+        } else {
+          rounded.store(out);
+        }
+      } else if (stream) {
+        store_streaming(g_first, out);
+        store_streaming(g_second, out + W);
       } else {
-        out.store(dv[i] + d);
+        g_first.store(out);
+        g_second.store(out + W);
       }
     }
     for (int q = 0; q < G; ++q) {
-      float* du = du_split + q * dim + d;
-      (fVec::loadu(du) + du_even[q]).store(du);
-      (fVec::loadu(du + W) + du_odd[q]).store(du + W);
+      float* du = du_sum_order + q * dim + d;
+      (fVec::loadu(du) + du_first[q]).store(du);
+      (fVec::loadu(du + W) + du_second[q]).store(du + W);
     }
   }
   for (; d < dim; ++d) {
@@ -1120,27 +1149,32 @@ C10_NOINLINE void bf16_source_grads(const at::BFloat16* const* v, int64_t n, con
       float g = -c2[i] * x;
       for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
-        g += a[qi] * do_split[q * dim + d] + c1[qi] * u_split[q * dim + d];
-        du_split[q * dim + d] += c1[qi] * x;
+        g += a[qi] * do_sum_order[q * dim + d] + c1[qi] * u_sum_order[q * dim + d];
+        du_sum_order[q * dim + d] += c1[qi] * x;
       }
-      dv[i][d] = static_cast<at::BFloat16>(g);
+      dv[i][d] = static_cast<src_t>(g);
     }
   }
 }
 
-// dst += x for a float row x split as split_even_odd splits it (dst in order), in double.
-inline void accumulate_unsplit(double* dst, const float* x_split, int64_t n) {
-  using fVec = Vectorized<float>;
-  constexpr int64_t W = fVec::size();
-  float natural[2 * W];
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    const auto [lo, hi] = at::vec::interleave2(fVec::loadu(x_split + d), fVec::loadu(x_split + d + W));
-    lo.store(natural);
-    hi.store(natural + W);
-    for (int64_t e = 0; e < 2 * W; ++e) dst[d + e] += static_cast<double>(natural[e]);
+// dst += x for a float row x in the sum order of src_t rows (dst in order), in double.
+template <typename src_t>
+inline void accumulate_from_sum_order(double* dst, const float* x, int64_t n) {
+  if constexpr (kSplitSumOrder<src_t>) {
+    using fVec = Vectorized<float>;
+    constexpr int64_t W = fVec::size();
+    float natural[2 * W];
+    int64_t d = 0;
+    for (; d + 2 * W <= n; d += 2 * W) {
+      const auto [lo, hi] = at::vec::interleave2(fVec::loadu(x + d), fVec::loadu(x + d + W));
+      lo.store(natural);
+      hi.store(natural + W);
+      for (int64_t e = 0; e < 2 * W; ++e) dst[d + e] += static_cast<double>(natural[e]);
+    }
+    for (; d < n; ++d) dst[d] += static_cast<double>(x[d]);
+  } else {
+    accumulate_scaled(dst, 1.f, x, n);
   }
-  for (; d < n; ++d) dst[d] += static_cast<double>(x_split[d]);
 }
 
 // The backward's row sums (du, dg) are summed over at most this many rows in the accumulation
@@ -1193,51 +1227,78 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   double* du_parts = du_part.mutable_data_ptr<double>();
   double* dg_parts = g != nullptr ? dg_part.mutable_data_ptr<double>() : nullptr;
 
-  // bf16 sources without a merge prefix are read as bf16 rows (sumsq_and_dots_bf16, bf16_source_grads),
-  // without a float copy of each row. Measured at N=9, 8192 rows, D=1024, one site (2 threads,
-  // interleaved with a copy of the floor's bytes): 24.3 -> 12.8 ms, 50 % -> 94 % of the copy's rate.
-  bool bf16_rows = std::is_same_v<acc_t, float> && !has_prefix && Q <= kSweepSites;
-  for (const auto& src : rows.src) bf16_rows = bf16_rows && src.dtype == at::kBFloat16;
-  bool stream_bf16 = stream && (D * 2) % 64 == 0;
-  for (const auto& grad : dsrc_t) stream_bf16 = stream_bf16 && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 64 == 0;
-  std::vector<float> u_split(bf16_rows ? Q * D : 0);
+  // bf16 or fp32 sources (all of one dtype) without a merge prefix are read in sweeps over the row
+  // set that serve every site at once (sweep_rows: weighted_sums_rows, sumsq_and_dots_rows,
+  // source_grads_rows), bf16 rows without a float copy. Measured at N=9, 8192 rows, D=1024
+  // (2 threads, interleaved with a copy of the floor's bytes): bf16, one site: 24.3 -> 12.8 ms,
+  // 50 % -> 94 % of the copy's rate.
+  const at::ScalarType src_dtype = rows.src.front().dtype;
+  bool sweep_rows = std::is_same_v<acc_t, float> && !has_prefix && Q <= kSweepSites &&
+                    (src_dtype == at::kBFloat16 || src_dtype == at::kFloat);
+  for (const auto& src : rows.src) sweep_rows = sweep_rows && src.dtype == src_dtype;
+  const bool src_bf16 = src_dtype == at::kBFloat16;
+  bool stream_rows = stream && (D * static_cast<int64_t>(c10::elementSize(src_dtype))) % 64 == 0;
+  for (const auto& grad : dsrc_t) stream_rows = stream_rows && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 64 == 0;
+  std::vector<float> u_sum_order(sweep_rows ? Q * D : 0);
   if constexpr (std::is_same_v<acc_t, float>) {
-    for (int64_t q = 0; bf16_rows && q < Q; ++q) split_even_odd(u + q * D, D, u_split.data() + q * D);
+    for (int64_t q = 0; sweep_rows && q < Q; ++q) {
+      (src_bf16 ? to_sum_order<at::BFloat16> : to_sum_order<float>)(u + q * D, D, u_sum_order.data() + q * D);
+    }
   }
+  // Calls fn(sites, src_t{}) for the compile-time site count and source dtype of the sweeps.
+  auto with_sweep_types = [&](auto&& fn) {
+    with_site_count(Q, [&](auto sites) {
+      if (src_bf16) {
+        fn(sites, at::BFloat16{});
+      } else {
+        fn(sites, float{});
+      }
+    });
+  };
   // The output gradients of site q as rows of their own, for the prefetch of the next row's
   // (pass 1 steps it, a share of the lines per source): without it a row's first read of
   // dy waited for memory, the hottest instruction of the 3-site bf16 backward.
   std::vector<InRows> dy_sites(Q);
   for (int64_t q = 0; q < Q; ++q) dy_sites[q] = {dy.data + q * M * dy.row_bytes, dy.row_bytes, dy.dtype};
   const int64_t dy_steps_per_source = (Q * D * static_cast<int64_t>(c10::elementSize(dy.dtype)) / 64 + N - 1) / N;
-  // Without the out norm the gradient of h_q is dy_q itself: bf16 rows of dy are then converted
-  // straight into the split order the bf16 sweeps read (bf16_row_split), without a float copy in
-  // order and a split pass. With bf16_from_even_odd's rounding, measured at N=9, 8192 rows, D=1024
+  // Without the out norm the gradient of h_q is dy_q itself, taken straight into the sum order of
+  // the sweeps: bf16 rows of dy for bf16 sources by bf16_row_split, without a float copy in order
+  // and a split pass. With bf16_from_even_odd's rounding, measured at N=9, 8192 rows, D=1024
   // (2 threads, % of a copy of the floor's bytes, three A/B runs): 3 sites 62-65 -> 69-72 %, 1 site
   // 82-85 -> 89-90 %. (Reading dy's bf16 rows in place in every sweep instead measured the same.)
-  const bool dy_split = bf16_rows && g == nullptr && dy.dtype == at::kBFloat16;
+  const bool dy_to_sum_order = sweep_rows && g == nullptr;
 
   BlockQueue chunks(num_chunks);
   at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
     // v: the row of every source as acc_t (converted once per row into rowbuf
-    // when needed; bf16 rows: vb, read in place); do_[q]: gradient w.r.t. the
-    // un-normalized read h_q (do_split: split as split_even_odd splits it, for
-    // bf16 rows); hbuf: recomputed h_q (out-norm only); alpha/dp: softmax weights
+    // when needed; bf16 sweep rows: vb, read in place); do_[q]: gradient w.r.t. the
+    // un-normalized read h_q (do_sum_order: in the sum order, for sweep rows);
+    // hbuf: recomputed h_q (out-norm only); alpha/dp: softmax weights
     // and the gradient of α_qi (<do_q, value_i>); weight: α_qi, or α_qi r_i for
     // normalised values (the factor of v_i in h_q); c1_qi = ds_qi r_i and c2_i:
-    // the coefficients of u_q and v_i in dv_i; du_split: bf16 rows' du sums of
+    // the coefficients of u_q and v_i in dv_i; du_sum_order: the sweep rows' du sums of
     // the last rows, before they go to the chunk's double partial.
-    std::vector<acc_t> rowbuf(bf16_rows ? 0 : slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D);
+    std::vector<acc_t> rowbuf(sweep_rows ? 0 : slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D);
     std::vector<acc_t> dvbuf(D), tmp(D);
     std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), c2(N), dots(Q);
     std::vector<acc_t> scaled_alpha(normalize_values ? Q * N : 0);
-    std::vector<float> do_split(bf16_rows ? Q * D : 0), du_split(bf16_rows ? Q * D : 0);
+    std::vector<float> do_sum_order(sweep_rows ? Q * D : 0), du_sum_order(sweep_rows ? Q * D : 0);
     const acc_t* weight = normalize_values ? scaled_alpha.data() : alpha.data();
     std::vector<const acc_t*> v(N);
-    std::vector<const at::BFloat16*> vb(bf16_rows ? N : 0);
-    std::vector<at::BFloat16*> dvb(bf16_rows ? N : 0);
+    std::vector<const at::BFloat16*> vb(sweep_rows && src_bf16 ? N : 0);
+    std::vector<at::BFloat16*> dvb(sweep_rows && src_bf16 ? N : 0);
+    std::vector<float*> dvf(sweep_rows && !src_bf16 ? N : 0);  // fp32 sweep rows' gradients (v: the rows)
+    // The sweeps' rows and gradient rows in src_t (a tag value).
+    auto sweep_rows_of = [&](auto tag) {
+      if constexpr (std::is_same_v<decltype(tag), at::BFloat16>) {
+        return std::make_pair(vb.data(), dvb.data());
+      } else {
+        return std::make_pair(v.data(), dvf.data());
+      }
+    };
+    LinePrefetcher no_prefetch(rows.src, 0, 0, D);
     // du_rows / dg_rows: du and dg summed over the rows since the last flush (kRowsPerFlush).
-    std::vector<acc_t> du_rows(bf16_rows ? 0 : Q * D), dg_rows(g != nullptr ? Q * D : 0);
+    std::vector<acc_t> du_rows(sweep_rows ? 0 : Q * D), dg_rows(g != nullptr ? Q * D : 0);
     auto flush_rows = [](std::vector<acc_t>& sums, double* partial) {
       accumulate_scaled(partial, acc_t(1), sums.data(), static_cast<int64_t>(sums.size()));
       std::fill(sums.begin(), sums.end(), acc_t(0));
@@ -1251,12 +1312,13 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
       for (int64_t p = c * chunk; p < chunk_end; ++p) {
         const bool flush = (p - c * chunk + 1) % kRowsPerFlush == 0 || p + 1 == chunk_end;  // the row sums
         for (int64_t i = 0; i < N; ++i) {
-          if (bf16_rows) {
+          if (sweep_rows && src_bf16) {
             vb[i] = reinterpret_cast<const at::BFloat16*>(rows.src[i].data + p * rows.src[i].row_bytes);
             dvb[i] = reinterpret_cast<at::BFloat16*>(dsrc[i].data + p * dsrc[i].row_bytes);
-          } else {
-            v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
+            continue;
           }
+          v[i] = load_row(rows.src[i], p, slots.offset[i] < 0 ? nullptr : rowbuf.data() + slots.offset[i], D);
+          if (sweep_rows) dvf[i] = reinterpret_cast<float*>(dsrc[i].data + p * dsrc[i].row_bytes);
         }
         const int64_t rows_ahead = prefetch && p + 1 < chunk_end ? 1 : 0;
         LinePrefetcher next_row(rows.src, p + 1, rows_ahead, D);
@@ -1264,10 +1326,15 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         for (int64_t q = 0; q < Q; ++q) {
           softmax_weights(logits + q * N * M + p, M, N, has_prefix ? lse_a + q * M + p : nullptr, alpha.data() + q * N,
                           alpha_a.data() + q);
-          if (dy_split) {
+          if (dy_to_sum_order && src_bf16 && dy.dtype == at::kBFloat16) {
             bf16_row_split(reinterpret_cast<const at::BFloat16*>(dy.data + (q * M + p) * dy.row_bytes), D,
-                           do_split.data() + q * D);
-          } else {
+                           do_sum_order.data() + q * D);
+          } else if (dy_to_sum_order) {
+            const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
+            if constexpr (std::is_same_v<acc_t, float>) {
+              (src_bf16 ? to_sum_order<at::BFloat16> : to_sum_order<float>)(dyq, D, do_sum_order.data() + q * D);
+            }
+          } else if (g == nullptr) {  // (with the out norm, its backward reads dy)
             const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);
             std::copy(dyq, dyq + D, do_.data() + q * D);
           }
@@ -1277,77 +1344,73 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         }
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
+          if constexpr (std::is_same_v<acc_t, float>) {
+            if (sweep_rows) {  // every site's h in one sweep over the rows
+              with_sweep_types([&](auto sites, auto tag) {
+                weighted_sums_rows<decltype(sites)::value>(sweep_rows_of(tag).first, weight, N, D, hbuf.data(),
+                                                           no_prefetch);
+              });
+            }
+          }
           for (int64_t q = 0; q < Q; ++q) {
             acc_t* hq = hbuf.data() + q * D;
-            const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
-            if constexpr (std::is_same_v<acc_t, float>) {
-              if (bf16_rows) {
-                weighted_sum(vb.data(), weight + q * N, N, static_cast<const float*>(nullptr), 0.f, D, hq);
-              } else {
-                weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
-              }
-            } else {
+            if (!sweep_rows) {
+              const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
               weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
             }
             const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + out_eps);
-            acc_t* dq = do_.data() + q * D;        // holds dy_q on entry
+            const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);  // in place when in acc_t
+            acc_t* dq = do_.data() + q * D;
             acc_t* dg_q = dg_rows.data() + q * D;  // dg_q += rstd dy_q ⊙ h_q
             const acc_t* gq = g + q * D;
             // One sweep: dg_q += rstd dy ⊙ h, dq = g ⊙ dy, gy_h = <g ⊙ dy, h>.
             Vec gy_h_acc(acc_t(0));
             int64_t d = 0;
             for (; d + Vec::size() <= D; d += Vec::size()) {
-              const Vec dyv = Vec::loadu(dq + d), hv = Vec::loadu(hq + d), gy = dyv * Vec::loadu(gq + d);
+              const Vec dyv = Vec::loadu(dyq + d), hv = Vec::loadu(hq + d), gy = dyv * Vec::loadu(gq + d);
               at::vec::fmadd(dyv * hv, Vec(rstd), Vec::loadu(dg_q + d)).store(dg_q + d);
               gy.store(dq + d);
               gy_h_acc = at::vec::fmadd(gy, hv, gy_h_acc);
             }
             acc_t gy_h = at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, gy_h_acc);
             for (; d < D; ++d) {
-              dg_q[d] += dq[d] * hq[d] * rstd;
-              dq[d] *= gq[d];
+              dg_q[d] += dyq[d] * hq[d] * rstd;
+              dq[d] = dyq[d] * gq[d];
               gy_h += dq[d] * hq[d];
             }
             const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
+            // do_q = rstd g ⊙ dy + k h: for sweep rows straight into the sum order (no pass of its own).
+            acc_t* do_q = dq;
             if constexpr (std::is_same_v<acc_t, float>) {
-              if (bf16_rows) {  // do_q straight into the order the bf16 sweeps read (no split pass)
-                float* split = do_split.data() + q * D;
-                constexpr int64_t W = Vec::size();
-                int64_t e = 0;
-                for (; e + 2 * W <= D; e += 2 * W) {
-                  const Vec lo = Vec::loadu(dq + e) * Vec(rstd) + Vec::loadu(hq + e) * Vec(k);
-                  const Vec hi = Vec::loadu(dq + e + W) * Vec(rstd) + Vec::loadu(hq + e + W) * Vec(k);
-                  const auto [even, odd] = at::vec::deinterleave2(lo, hi);
-                  even.store(split + e);
-                  odd.store(split + e + W);
-                }
-                for (; e < D; ++e) split[e] = dq[e] * rstd + hq[e] * k;
-                continue;
-              }
+              if (sweep_rows) do_q = do_sum_order.data() + q * D;
             }
-            at::vec::map2<acc_t>([rstd, k](auto gy, auto h) { return gy * decltype(gy)(rstd) + h * decltype(gy)(k); },
-                                 dq, dq, hq, D);
+            constexpr int64_t W = Vec::size();
+            int64_t e = 0;
+            for (; e + 2 * W <= D; e += 2 * W) {
+              Vec lo = Vec::loadu(dq + e) * Vec(rstd) + Vec::loadu(hq + e) * Vec(k);
+              Vec hi = Vec::loadu(dq + e + W) * Vec(rstd) + Vec::loadu(hq + e + W) * Vec(k);
+              if (sweep_rows && src_bf16) std::tie(lo, hi) = at::vec::deinterleave2(lo, hi);
+              lo.store(do_q + e);
+              hi.store(do_q + e + W);
+            }
+            for (; e < D; ++e) do_q[e] = dq[e] * rstd + hq[e] * k;
           }
         }
         // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
         // values), delta_q = <do_q, h_q> = Σ_i α_qi dp_qi.
         std::fill(delta.begin(), delta.end(), acc_t(0));
-        if constexpr (std::is_same_v<acc_t, float>) {
-          for (int64_t q = 0; bf16_rows && !dy_split && g == nullptr && q < Q; ++q) {
-            split_even_odd(do_.data() + q * D, D, do_split.data() + q * D);
-          }
-        }
         for (int64_t i = 0; i < N; ++i) {
           const acc_t value_scale = normalize_values ? rinv[i * M + p] : acc_t(1);
           if constexpr (std::is_same_v<acc_t, float>) {  // <do_q, v_i> of every site in one sweep over v_i
-            if (bf16_rows) {
-              with_site_count(Q, [&](auto sites) {
-                sumsq_and_dots_bf16<decltype(sites)::value>(vb[i], do_split.data(), D, dots.data());
+            if (sweep_rows) {
+              with_sweep_types([&](auto sites, auto tag) {
+                sumsq_and_dots_rows<decltype(sites)::value>(sweep_rows_of(tag).first[i], do_sum_order.data(), D,
+                                                            dots.data());
               });
             }
           }
           for (int64_t q = 0; q < Q; ++q) {
-            dp[q * N + i] = (bf16_rows ? dots[q] : dot(do_.data() + q * D, v[i], D)) * value_scale;
+            dp[q * N + i] = (sweep_rows ? dots[q] : dot(do_.data() + q * D, v[i], D)) * value_scale;
             delta[q] += alpha[q * N + i] * dp[q * N + i];
           }
           for (int64_t k = 0; k < dy_steps_per_source; ++k) next_dy.step();
@@ -1376,16 +1439,19 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           c2[i] = c2_i * r * r * inv_d;
         }
         if constexpr (std::is_same_v<acc_t, float>) {
-          if (bf16_rows) {
-            with_site_count(Q, [&](auto sites) {
-              bf16_source_grads<decltype(sites)::value>(vb.data(), N, weight, c1.data(), c2.data(), do_split.data(),
-                                                        u_split.data(), du_split.data(), D, dvb.data(), stream_bf16,
-                                                        next_row);
+          if (sweep_rows) {
+            with_sweep_types([&](auto sites, auto tag) {
+              const auto [src_rows, grad_rows] = sweep_rows_of(tag);
+              source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), c2.data(), do_sum_order.data(),
+                                                        u_sum_order.data(), du_sum_order.data(), D, grad_rows,
+                                                        stream_rows, next_row);
+              if (flush) {
+                for (int64_t q = 0; q < Q; ++q) {
+                  accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
+                }
+              }
             });
-            if (flush) {
-              for (int64_t q = 0; q < Q; ++q) accumulate_unsplit(du_c + q * D, du_split.data() + q * D, D);
-              std::fill(du_split.begin(), du_split.end(), 0.f);
-            }
+            if (flush) std::fill(du_sum_order.begin(), du_sum_order.end(), 0.f);
             if (flush && g != nullptr) flush_rows(dg_rows, dg_c);
             continue;
           }
