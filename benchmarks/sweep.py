@@ -116,7 +116,7 @@ def bench_read(n, rows, dim, dtype, compiled_reference):
 
 
 # Backward-bandwidth variants of the target case: (sites Q, fused output norm).
-BACKWARD_VARIANTS = [(1, False), (1, True), (3, False)]
+BACKWARD_VARIANTS = [(1, False), (1, True), (3, False), (3, True)]
 
 
 def bench_backward(n, rows, dim, dtype):

@@ -328,10 +328,10 @@ inline void to_sum_order(const float* u, int64_t n, float* out) {
   }
 }
 
-// sum(x^2) and <y_q, x> for the G sites q < G of one row, in one sweep over it; y is [G, n], each
-// row in the sum order. (Converting a bf16 row to float first and taking G + 1 dot products of the
-// copy left the multi-query bf16 reads at half the copy's rate.)
-template <int G, typename src_t>
+// sum(x^2) (when kSumSq, else 0) and <y_q, x> for the G sites q < G of one row, in one sweep over
+// it; y is [G, n], each row in the sum order. (Converting a bf16 row to float first and taking G + 1
+// dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
+template <int G, typename src_t, bool kSumSq = true>
 inline float sumsq_and_dots_rows(const src_t* x, const float* y_sum_order, int64_t n, float* dots) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
@@ -340,7 +340,7 @@ inline float sumsq_and_dots_rows(const src_t* x, const float* y_sum_order, int64
   int64_t d = 0;
   for (; d + 2 * W <= n; d += 2 * W) {
     const auto [first, second] = vectors_for_sums<src_t, float>(x + d);
-    ss = at::vec::fmadd(second, second, at::vec::fmadd(first, first, ss));
+    if constexpr (kSumSq) ss = at::vec::fmadd(second, second, at::vec::fmadd(first, first, ss));
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
       const float* y = y_sum_order + q * n + d;
@@ -352,7 +352,7 @@ inline float sumsq_and_dots_rows(const src_t* x, const float* y_sum_order, int64
   for (int q = 0; q < G; ++q) dots[q] = at::vec::vec_reduce_all<float>(add, acc[q]);
   for (; d < n; ++d) {
     const float xd = static_cast<float>(x[d]);
-    sumsq += xd * xd;
+    if constexpr (kSumSq) sumsq += xd * xd;
     for (int q = 0; q < G; ++q) dots[q] += xd * y_sum_order[q * n + d];
   }
   return sumsq;
@@ -1088,12 +1088,15 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 // bf16_from_even_odd. The G = Q <= kSweepSites sites keep their du sums in registers over the
 // sources. (The general path converts every row to acc_t and sums du in a pass of its own: for
 // bf16 that conversion and the extra passes cost more than the memory traffic, and for fp32 the
-// extra passes over several sites' rows do.)
+// extra passes over several sites' rows do.) With next_row_bytes (source i's next row starts
+// next_row_bytes[i] bytes after its row), each vector pair prefetches the same columns of the next
+// row: the lines of the next row set spread over the sweep, as a LinePrefetcher would walk them,
+// at one instruction each (a LinePrefetcher's bookkeeping per step cost 10-13 % of the bf16 sweeps).
 // Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
 template <int G, typename src_t>
 C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1, const float* c2,
                                     const float* do_sum_order, const float* u_sum_order, float* du_sum_order,
-                                    int64_t dim, src_t* const* dv, bool stream, LinePrefetcher& prefetch) {
+                                    int64_t dim, src_t* const* dv, bool stream, const int64_t* next_row_bytes) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
@@ -1109,7 +1112,10 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
       u_second[q] = fVec::loadu(u_sum_order + q * dim + d + W);
     }
     for (int64_t i = 0; i < n; ++i) {
-      prefetch.step();
+      if (next_row_bytes != nullptr) {
+        const char* next = reinterpret_cast<const char*>(v[i] + d) + next_row_bytes[i];
+        for (int64_t line = 0; line < int64_t(2 * W * sizeof(src_t)); line += 64) __builtin_prefetch(next + line, 0, 2);
+      }
       const auto [x_first, x_second] = vectors_for_sums<src_t, float>(v[i] + d);
       fVec g_first = x_first * fVec(-c2[i]), g_second = x_second * fVec(-c2[i]);
 #pragma GCC unroll 4
@@ -1237,6 +1243,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
                     (src_dtype == at::kBFloat16 || src_dtype == at::kFloat);
   for (const auto& src : rows.src) sweep_rows = sweep_rows && src.dtype == src_dtype;
   const bool src_bf16 = src_dtype == at::kBFloat16;
+  std::vector<int64_t> src_row_bytes(N);
+  for (int64_t i = 0; i < N; ++i) src_row_bytes[i] = rows.src[i].row_bytes;
   bool stream_rows = stream && (D * static_cast<int64_t>(c10::elementSize(src_dtype))) % 64 == 0;
   for (const auto& grad : dsrc_t) stream_rows = stream_rows && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 64 == 0;
   std::vector<float> u_sum_order(sweep_rows ? Q * D : 0);
@@ -1404,8 +1412,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           if constexpr (std::is_same_v<acc_t, float>) {  // <do_q, v_i> of every site in one sweep over v_i
             if (sweep_rows) {
               with_sweep_types([&](auto sites, auto tag) {
-                sumsq_and_dots_rows<decltype(sites)::value>(sweep_rows_of(tag).first[i], do_sum_order.data(), D,
-                                                            dots.data());
+                sumsq_and_dots_rows<decltype(sites)::value, decltype(tag), false>(sweep_rows_of(tag).first[i],
+                                                                                  do_sum_order.data(), D, dots.data());
               });
             }
           }
@@ -1444,7 +1452,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
               const auto [src_rows, grad_rows] = sweep_rows_of(tag);
               source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), c2.data(), do_sum_order.data(),
                                                         u_sum_order.data(), du_sum_order.data(), D, grad_rows,
-                                                        stream_rows, next_row);
+                                                        stream_rows, rows_ahead > 0 ? src_row_bytes.data() : nullptr);
               if (flush) {
                 for (int64_t q = 0; q < Q; ++q) {
                   accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
