@@ -1183,6 +1183,43 @@ inline void accumulate_from_sum_order(double* dst, const float* x, int64_t n) {
   }
 }
 
+// Back through the fused output norm y = rstd h ⊙ g (rstd = 1 / sqrt(mean(h²) + eps)) for one row
+// of n values: dg += rstd dy ⊙ h and do = rstd g ⊙ dy + k h, k = -rstd³ <g ⊙ dy, h> / n; do is
+// written with each vector pair split as split_even_odd splits it when `split`, and may be gy, n
+// values of scratch. (A function of its own: in the row loop's lambda, GCC reloaded the row length
+// from the closure after every store of its loops.)
+template <typename T>
+inline void out_norm_backward(const T* h, const T* dy, const T* g, T eps, int64_t n, bool split, T* gy, T* dg,
+                              T* do_out) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const T rstd = T(1) / std::sqrt(dot(h, h, n) / static_cast<T>(n) + eps);
+  // One sweep: dg += rstd dy ⊙ h, gy = g ⊙ dy, gy_h = <g ⊙ dy, h>.
+  Vec gy_h_acc(T(0));
+  int64_t d = 0;
+  for (; d + W <= n; d += W) {
+    const Vec dyv = Vec::loadu(dy + d), hv = Vec::loadu(h + d), gyv = dyv * Vec::loadu(g + d);
+    at::vec::fmadd(dyv * hv, Vec(rstd), Vec::loadu(dg + d)).store(dg + d);
+    gyv.store(gy + d);
+    gy_h_acc = at::vec::fmadd(gyv, hv, gy_h_acc);
+  }
+  T gy_h = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, gy_h_acc);
+  for (; d < n; ++d) {
+    dg[d] += dy[d] * h[d] * rstd;
+    gy[d] = dy[d] * g[d];
+    gy_h += gy[d] * h[d];
+  }
+  const T k = -rstd * rstd * rstd * gy_h / static_cast<T>(n);
+  for (d = 0; d + 2 * W <= n; d += 2 * W) {
+    Vec lo = Vec::loadu(gy + d) * Vec(rstd) + Vec::loadu(h + d) * Vec(k);
+    Vec hi = Vec::loadu(gy + d + W) * Vec(rstd) + Vec::loadu(h + d + W) * Vec(k);
+    if (split) std::tie(lo, hi) = at::vec::deinterleave2(lo, hi);
+    lo.store(do_out + d);
+    hi.store(do_out + d + W);
+  }
+  for (; d < n; ++d) do_out[d] = gy[d] * rstd + h[d] * k;
+}
+
 // The backward's row sums (du, dg) are summed over at most this many rows in the accumulation
 // dtype, with vector instructions, then added to the chunk's double partial: the rounding of a sum
 // of 32 rows stays far below a gradient's, and the scalar double add per element and row it
@@ -1366,42 +1403,14 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
               const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
               weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
             }
-            const acc_t rstd = acc_t(1) / std::sqrt(dot(hq, hq, D) * inv_d + out_eps);
             const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);  // in place when in acc_t
-            acc_t* dq = do_.data() + q * D;
-            acc_t* dg_q = dg_rows.data() + q * D;  // dg_q += rstd dy_q ⊙ h_q
-            const acc_t* gq = g + q * D;
-            // One sweep: dg_q += rstd dy ⊙ h, dq = g ⊙ dy, gy_h = <g ⊙ dy, h>.
-            Vec gy_h_acc(acc_t(0));
-            int64_t d = 0;
-            for (; d + Vec::size() <= D; d += Vec::size()) {
-              const Vec dyv = Vec::loadu(dyq + d), hv = Vec::loadu(hq + d), gy = dyv * Vec::loadu(gq + d);
-              at::vec::fmadd(dyv * hv, Vec(rstd), Vec::loadu(dg_q + d)).store(dg_q + d);
-              gy.store(dq + d);
-              gy_h_acc = at::vec::fmadd(gy, hv, gy_h_acc);
-            }
-            acc_t gy_h = at::vec::vec_reduce_all<acc_t>([](Vec& a, Vec& b) { return a + b; }, gy_h_acc);
-            for (; d < D; ++d) {
-              dg_q[d] += dyq[d] * hq[d] * rstd;
-              dq[d] = dyq[d] * gq[d];
-              gy_h += dq[d] * hq[d];
-            }
-            const acc_t k = -rstd * rstd * rstd * gy_h * inv_d;
-            // do_q = rstd g ⊙ dy + k h: for sweep rows straight into the sum order (no pass of its own).
-            acc_t* do_q = dq;
+            // do_q: for sweep rows straight into their sum order (no pass of its own).
+            acc_t* do_q = do_.data() + q * D;
             if constexpr (std::is_same_v<acc_t, float>) {
               if (sweep_rows) do_q = do_sum_order.data() + q * D;
             }
-            constexpr int64_t W = Vec::size();
-            int64_t e = 0;
-            for (; e + 2 * W <= D; e += 2 * W) {
-              Vec lo = Vec::loadu(dq + e) * Vec(rstd) + Vec::loadu(hq + e) * Vec(k);
-              Vec hi = Vec::loadu(dq + e + W) * Vec(rstd) + Vec::loadu(hq + e + W) * Vec(k);
-              if (sweep_rows && src_bf16) std::tie(lo, hi) = at::vec::deinterleave2(lo, hi);
-              lo.store(do_q + e);
-              hi.store(do_q + e + W);
-            }
-            for (; e < D; ++e) do_q[e] = dq[e] * rstd + hq[e] * k;
+            out_norm_backward(hq, dyq, g + q * D, out_eps, D, sweep_rows && src_bf16, do_.data() + q * D,
+                              dg_rows.data() + q * D, do_q);
           }
         }
         // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
