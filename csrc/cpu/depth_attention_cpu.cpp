@@ -450,7 +450,9 @@ class LinePrefetcher {
       : src_(src), first_row_(first_row), rows_(rows), dim_(dim), live_(rows > 0 && !src.empty()) {
     if (live_) start_row();
   }
-  void step() {
+  // Always inlined: called out of line inside a sweep, the call made GCC spill the sweep's sums to
+  // the stack around it (the small reads' backward spent a third of its recomputed h there).
+  C10_ALWAYS_INLINE void step() {
     if (!live_) return;
     __builtin_prefetch(line_, 0, 2);
     line_ += 64;
@@ -481,10 +483,10 @@ class LinePrefetcher {
 
 // h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n rows, in one sweep over the rows
 // (each vector of a row loaded once for all the sites); h is [G, dim], in order. `prefetch`
-// steps once per row and vector pair.
+// (if any) steps once per row and vector pair.
 template <int G, typename src_t>
 inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n, int64_t dim, float* h,
-                               LinePrefetcher& prefetch) {
+                               LinePrefetcher* prefetch) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
@@ -492,7 +494,7 @@ inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n,
     fVec first_sums[G], second_sums[G];
     for (int q = 0; q < G; ++q) first_sums[q] = second_sums[q] = fVec(0.f);
     for (int64_t i = 0; i < n; ++i) {
-      prefetch.step();
+      if (prefetch != nullptr) prefetch->step();
       const auto [first, second] = vectors_for_sums<src_t, float>(x[i] + d);
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
@@ -1045,7 +1047,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
               for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                 with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
                   weighted_sums_rows<decltype(sites)::value>(v.data() + k * N, site_alpha.data() + q0 * N, N, D,
-                                                             site_h.data() + q0 * D, next_tile);
+                                                             site_h.data() + q0 * D, &next_tile);
                 });
               }
               for (int64_t q = 0; q < Q; ++q) write_row(site_h.data() + q * D, q, p, tmp.data());
@@ -1341,7 +1343,6 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         return std::make_pair(v.data(), dvf.data());
       }
     };
-    LinePrefetcher no_prefetch(rows.src, 0, 0, D);
     // du_rows / dg_rows: du and dg summed over the rows since the last flush (kRowsPerFlush).
     std::vector<acc_t> du_rows(sweep_rows ? 0 : Q * D), dg_rows(g != nullptr ? Q * D : 0);
     auto flush_rows = [](std::vector<acc_t>& sums, double* partial) {
@@ -1393,7 +1394,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             if (sweep_rows) {  // every site's h in one sweep over the rows
               with_sweep_types([&](auto sites, auto tag) {
                 weighted_sums_rows<decltype(sites)::value>(sweep_rows_of(tag).first, weight, N, D, hbuf.data(),
-                                                           no_prefetch);
+                                                           nullptr);
               });
             }
           }
