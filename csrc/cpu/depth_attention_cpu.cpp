@@ -1213,8 +1213,8 @@ inline void out_norm_backward(const T* h, const T* dy, const T* g, T eps, int64_
   }
   const T k = -rstd * rstd * rstd * gy_h / static_cast<T>(n);
   for (d = 0; d + 2 * W <= n; d += 2 * W) {
-    Vec lo = Vec::loadu(gy + d) * Vec(rstd) + Vec::loadu(h + d) * Vec(k);
-    Vec hi = Vec::loadu(gy + d + W) * Vec(rstd) + Vec::loadu(h + d + W) * Vec(k);
+    Vec lo = at::vec::fmadd(Vec::loadu(gy + d), Vec(rstd), Vec::loadu(h + d) * Vec(k));
+    Vec hi = at::vec::fmadd(Vec::loadu(gy + d + W), Vec(rstd), Vec::loadu(h + d + W) * Vec(k));
     if (split) std::tie(lo, hi) = at::vec::deinterleave2(lo, hi);
     lo.store(do_out + d);
     hi.store(do_out + d + W);
