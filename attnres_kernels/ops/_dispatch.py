@@ -32,6 +32,9 @@ import torch
 from . import _native
 
 BACKENDS = ("auto", "reference", "cpu", "cuda", "triton")
+# The backend names that run CPU tensors on the C++ kernels when the extension has them: the ops
+# check these first, so that a small call (a decode step, a small read) skips the resolution.
+CPU_KERNEL_BACKENDS = frozenset(("auto", "cpu"))
 
 # What "auto" tries, in order, per device type.
 AUTO_PREFERENCE = {"cpu": ("cpu",), "cuda": ("triton", "cuda")}

@@ -25,7 +25,6 @@ if _native.defines("attn_fwd"):
 # What "auto" and "cpu" resolve to on CPU tensors with Dh <= MAX_HEAD_DIM when the extension has the CPU
 # kernel: known at import, so that a call (a decode step is a few µs of kernel) skips the resolution.
 _CPU_OP = torch.ops.attnres.attn_fwd.default if _native.has_kernel("attn_fwd", "cpu") else None
-_CPU_BACKENDS = frozenset(("auto", "cpu"))
 
 
 # Whether the Triton backend defines attnres_triton::attn_fwd; looked up on first use
@@ -89,7 +88,7 @@ def attention(
     reference (with a one-time warning) beyond that. Double backward is exact: it
     runs through the reference."""
     scale = check_attention(q, k, v, key_padding_mask, scale)
-    if _CPU_OP is not None and backend in _CPU_BACKENDS and q.is_cpu and q.shape[3] <= MAX_HEAD_DIM:
+    if _CPU_OP is not None and backend in _dispatch.CPU_KERNEL_BACKENDS and q.is_cpu and q.shape[3] <= MAX_HEAD_DIM:
         out, lse = _CPU_OP(q, k, v, key_padding_mask, bool(causal), scale)
         return (out, lse) if return_lse else out
     chosen = resolve_backend(backend, q.device, q.shape[-1])

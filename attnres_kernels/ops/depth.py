@@ -118,14 +118,13 @@ def read_unchecked(
 # that a call skips the resolution (a small read's kernel is tens of µs, and the Python around it
 # runs with cold caches after the kernel and autograd).
 _CPU_KERNEL = _native.has_kernel("depth_attn_fwd", "cpu")
-_CPU_BACKENDS = frozenset(("auto", "cpu"))
 
 
 def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, return_lse, return_weights):
     """Runs a checked read (``args``; a merge when ``prefix`` is given) on the backend ``backend`` resolves to."""
     weighted_values = args.options.normalize_values and norm_weight is not None
     if (
-        backend in _CPU_BACKENDS
+        backend in _dispatch.CPU_KERNEL_BACKENDS
         and not weighted_values
         and args.sources[0].is_cpu
         and _CPU_KERNEL
