@@ -190,9 +190,6 @@ MergeWeights<A> merge_weights(A lse_a, A s) {
   return {e_a / z, e_b / z, top + std::log(z)};
 }
 
-// Fixed partition of M rows for the row reductions: depends on M only.
-inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
-
 // Outputs bigger than this are written with non-temporal stores (they would
 // not stay in cache anyway); smaller ones stay cached for the next op.
 constexpr int64_t kStreamBytes = int64_t(8) << 20;
@@ -307,18 +304,6 @@ void block_step_bwd_impl(const StepGradRows& io, const A* dlse, const A* u, cons
       }
     }
     fence_streaming_stores();
-  });
-}
-
-// out[j] = Σ_c parts[c, j] in chunk order (stage 2 of the row reductions).
-template <typename A>
-void sum_chunks(const double* parts, int64_t num_chunks, int64_t D, A* out) {
-  at::parallel_for(0, D, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      double s = 0;
-      for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * D + j];
-      out[j] = static_cast<A>(s);
-    }
   });
 }
 

@@ -786,9 +786,6 @@ void pipelined_row(const src_t* const* next, const src_t* const* cur, int64_t n,
   }
 }
 
-// Fixed partition of M rows for the row reductions: depends on M only.
-inline int64_t rows_per_chunk(int64_t m) { return std::max<int64_t>(16, (m + 255) / 256); }
-
 // Parallel work is cut into blocks of at least kBlockWork multiply-adds, and a
 // thread is started only for at least kMinTaskWork of them: below that, waking
 // a second thread costs more than the work it takes over, so small reads run on
@@ -1520,18 +1517,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
     if (stream) fence_streaming_stores();
   });
 
-  // Stage 2: sum the chunk partials column by column in chunk order.
-  auto reduce_chunks = [&](const double* parts, acc_t* dst) {
-    at::parallel_for(0, Q * D, BlockQueue::grain(num_chunks), [&](int64_t begin, int64_t end) {
-      for (int64_t j = begin; j < end; ++j) {
-        double s = 0;
-        for (int64_t c = 0; c < num_chunks; ++c) s += parts[c * Q * D + j];
-        dst[j] = static_cast<acc_t>(s);
-      }
-    });
-  };
-  reduce_chunks(du_parts, du_t.mutable_data_ptr<acc_t>());
-  if (g != nullptr) reduce_chunks(dg_parts, dg_t.mutable_data_ptr<acc_t>());
+  // Stage 2: sum the chunk partials in chunk order.
+  sum_chunks(du_parts, num_chunks, Q * D, du_t.mutable_data_ptr<acc_t>());
+  if (g != nullptr) sum_chunks(dg_parts, num_chunks, Q * D, dg_t.mutable_data_ptr<acc_t>());
 }
 
 // The gradients of query, norm_weight and out_norm_weight from du ([Q, D], the
