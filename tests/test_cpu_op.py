@@ -184,40 +184,45 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "rows,d,q,out_norm,normalize",
+    "rows,d,q,out_norm,normalize,out_fp32",
     [
-        (1400, 1024, None, False, False),  # 8.2 (bf16) MiB of source gradients: streamed (64-byte aligned rows)
-        (1400, 1000, 2, True, False),  # rows not aligned: stored; a tail past the last 32 values
-        (9000, 64, None, True, True),  # 36-row chunks: du summed in float over 32 rows, then 4
-        (300, 96, 3, False, True),
-        (300, 1000, 3, False, False),  # no out norm: dy's bf16 rows converted straight to do, a tail past 992
-        (300, 100, 4, True, False),  # the most sites one sweep serves
-        (300, 64, 5, False, False),  # more: the float path
+        (1400, 1024, None, False, False, False),  # 8.2 (bf16) MiB of source gradients: streamed (64-byte aligned rows)
+        (1400, 1000, 2, True, False, False),  # rows not aligned: stored; a tail past the last 32 values
+        (9000, 64, None, True, True, False),  # 36-row chunks: du and dg summed in float over 32 rows, then 4
+        (300, 96, 3, False, True, False),
+        (300, 1000, 3, False, False, False),  # no out norm: dy's bf16 rows converted straight to do, a tail past 992
+        (300, 1000, 3, True, False, True),  # out norm, fp32 output gradients of (bf16) sources, a tail
+        (300, 100, 4, True, False, False),  # the most sites one sweep serves
+        (300, 64, 5, False, False, False),  # more: the float path
     ],
 )
-def test_backward_sweeps_read_rows_in_place(dtype, rows, d, q, out_norm, normalize):
+def test_backward_sweeps_read_rows_in_place(dtype, rows, d, q, out_norm, normalize, out_fp32):
     """The backward of bf16 or fp32 sources without a merge prefix, for up to 4 sites, sweeps over
     the rows in place (bf16 without a float copy), every site at once, and forms du in the same
     sweep as the source gradients; without an out norm it converts the output gradients straight
-    into the order those sweeps read: gradients against the reference."""
+    into the order those sweeps read: gradients (of the out-norm weight too) against the reference."""
     sources = make_sources(3, (rows,), d, dtype)
     w, g, g_out = site_params(q, d)
-    kw = dict(out_norm_weight=g_out if out_norm else None, normalize_values=normalize, scale=0.5)
+    kw = dict(normalize_values=normalize, scale=0.5, out_dtype=torch.float32 if out_fp32 else None)
     gamma = None if normalize else g
 
     def grads(impl, srcs, params, **extra):
         srcs = [s.detach().clone().requires_grad_() for s in srcs]
         params = [p.detach().clone().requires_grad_() for p in params]
-        w_, g_ = params
-        out = impl.depth_attention(w_, srcs, g_ if gamma is not None else None, **kw, **extra)
+        w_, g_, g_out_ = params
+        g_out_ = g_out_ if out_norm else None
+        out = impl.depth_attention(w_, srcs, g_ if gamma is not None else None, out_norm_weight=g_out_, **kw, **extra)
         torch.manual_seed(3)
         grad_out = torch.randn(out.shape, dtype=torch.float64)
-        return torch.autograd.grad((out.double() * grad_out).sum(), srcs + params[: 1 if gamma is None else 2])
+        wrt = [w_] + ([] if gamma is None else [g_]) + ([] if g_out_ is None else [g_out_])
+        return torch.autograd.grad((out.double() * grad_out).sum(), srcs + wrt)
 
-    fused = grads(ak, sources, [w, g], backend="cpu")
-    same = grads(reference, sources, [w, g])
-    oracle = grads(reference, [s.double() for s in sources], [w.double(), g.double()])
+    fused = grads(ak, sources, [w, g, g_out], backend="cpu")
+    same = grads(reference, sources, [w, g, g_out])
+    oracle = grads(reference, [s.double() for s in sources], [w.double(), g.double(), g_out.double()])
     assert [t.dtype for t in fused] == [t.dtype for t in same]
     grouped = lambda r: [torch.cat([x.flatten() for x in r[:3]]), *r[3:]]
-    for name, a, b, c in zip(["d_sources", "d_query", "d_norm"], grouped(fused), grouped(same), grouped(oracle)):
+    names = ["d_sources", "d_query"] + ([] if gamma is None else ["d_norm"]) + (["d_out_norm"] if out_norm else [])
+    assert len(names) == len(fused) - 2
+    for name, a, b, c in zip(names, grouped(fused), grouped(same), grouped(oracle)):
         assert_close_to_oracle(name, a, b, c)

@@ -330,26 +330,47 @@ inline void to_sum_order(const float* u, int64_t n, float* out) {
 
 // sum(x^2) (when kSumSq, else 0) and <y_q, x> for the G sites q < G of one row, in one sweep over
 // it; y is [G, n], each row in the sum order. (Converting a bf16 row to float first and taking G + 1
-// dot products of the copy left the multi-query bf16 reads at half the copy's rate.)
+// dot products of the copy left the multi-query bf16 reads at half the copy's rate.) Each sum is
+// kept in 2U independent accumulators (U vector pairs per step, two for one or two sites): with one
+// accumulator per sum taking both vectors of a pair, every step waited on two dependent
+// multiply-adds (4 cycles each).
 template <int G, typename src_t, bool kSumSq = true>
 inline float sumsq_and_dots_rows(const src_t* x, const float* y_sum_order, int64_t n, float* dots) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
-  fVec ss(0.f), acc[G];
-  for (int q = 0; q < G; ++q) acc[q] = fVec(0.f);
-  int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
+  constexpr int U = G <= 2 ? 2 : 1;
+  fVec ss[2 * U], acc[G][2 * U];
+  for (int k = 0; k < 2 * U; ++k) {
+    ss[k] = fVec(0.f);
+    for (int q = 0; q < G; ++q) acc[q][k] = fVec(0.f);
+  }
+  // Adds the vector pair at d into accumulators 2 pair and 2 pair + 1 (pair < U).
+  auto add_pair = [&](int64_t d, int pair) C10_ALWAYS_INLINE_ATTRIBUTE {
     const auto [first, second] = vectors_for_sums<src_t, float>(x + d);
-    if constexpr (kSumSq) ss = at::vec::fmadd(second, second, at::vec::fmadd(first, first, ss));
+    if constexpr (kSumSq) {
+      ss[2 * pair] = at::vec::fmadd(first, first, ss[2 * pair]);
+      ss[2 * pair + 1] = at::vec::fmadd(second, second, ss[2 * pair + 1]);
+    }
 #pragma GCC unroll 4
     for (int q = 0; q < G; ++q) {
       const float* y = y_sum_order + q * n + d;
-      acc[q] = at::vec::fmadd(second, fVec::loadu(y + W), at::vec::fmadd(first, fVec::loadu(y), acc[q]));
+      acc[q][2 * pair] = at::vec::fmadd(first, fVec::loadu(y), acc[q][2 * pair]);
+      acc[q][2 * pair + 1] = at::vec::fmadd(second, fVec::loadu(y + W), acc[q][2 * pair + 1]);
     }
+  };
+  int64_t d = 0;
+  for (; d + 2 * W * U <= n; d += 2 * W * U) {
+#pragma GCC unroll 2
+    for (int pair = 0; pair < U; ++pair) add_pair(d + 2 * W * pair, pair);
   }
-  auto add = [](fVec& a, fVec& b) { return a + b; };
-  float sumsq = at::vec::vec_reduce_all<float>(add, ss);
-  for (int q = 0; q < G; ++q) dots[q] = at::vec::vec_reduce_all<float>(add, acc[q]);
+  for (; d + 2 * W <= n; d += 2 * W) add_pair(d, 0);
+  auto total = [](const fVec* sums) {
+    fVec sum = sums[0];
+    for (int k = 1; k < 2 * U; ++k) sum = sum + sums[k];
+    return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, sum);
+  };
+  float sumsq = kSumSq ? total(ss) : 0.f;
+  for (int q = 0; q < G; ++q) dots[q] = total(acc[q]);
   for (; d < n; ++d) {
     const float xd = static_cast<float>(x[d]);
     if constexpr (kSumSq) sumsq += xd * xd;

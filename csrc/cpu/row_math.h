@@ -59,19 +59,19 @@ inline void reorder_even_odd(const float* u, int64_t n, float* out) {
 inline void split_even_odd(const float* u, int64_t n, float* out) { reorder_even_odd<true>(u, n, out); }
 inline void merge_even_odd(const float* split, int64_t n, float* out) { reorder_even_odd<false>(split, n, out); }
 
-// <a, b> with two vector accumulators (halves the FMA dependency chain).
+// <a, b> with four vector accumulators: each takes one multiply-add per step of 4 vectors, so the
+// loop issues FMAs at the ports' rate instead of waiting on one accumulator's latency.
 template <typename T>
 inline T dot(const T* a, const T* b, int64_t n) {
   using Vec = at::vec::Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  Vec acc0(T(0)), acc1(T(0));
+  Vec acc[4] = {Vec(T(0)), Vec(T(0)), Vec(T(0)), Vec(T(0))};
   int64_t d = 0;
-  for (; d + 2 * W <= n; d += 2 * W) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + d + W), Vec::loadu(b + d + W), acc1);
+  for (; d + 4 * W <= n; d += 4 * W) {
+    for (int k = 0; k < 4; ++k) acc[k] = at::vec::fmadd(Vec::loadu(a + d + k * W), Vec::loadu(b + d + k * W), acc[k]);
   }
-  for (; d + W <= n; d += W) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
-  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, acc0 + acc1);
+  for (; d + W <= n; d += W) acc[0] = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc[0]);
+  T sum = at::vec::vec_reduce_all<T>([](Vec& x, Vec& y) { return x + y; }, (acc[0] + acc[1]) + (acc[2] + acc[3]));
   for (; d < n; ++d) sum += a[d] * b[d];
   return sum;
 }
