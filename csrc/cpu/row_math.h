@@ -106,8 +106,8 @@ void sum_chunks(const double* parts, int64_t num_chunks, int64_t width, T* out) 
   using dVec = at::vec::Vectorized<double>;
   constexpr int64_t kBlockColumns = 256;
   const int64_t num_blocks = (width + kBlockColumns - 1) / kBlockColumns;
-  // A second thread only for at least 2^18 adds.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / (num_chunks * kBlockColumns));
+  // A second thread only for at least 2^18 adds. (No chunks, no rows: the sums are 0.)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, num_chunks * kBlockColumns));
   at::parallel_for(0, num_blocks, grain, [&](int64_t block_begin, int64_t block_end) {
     double sums[kBlockColumns];
     for (int64_t block = block_begin; block < block_end; ++block) {
