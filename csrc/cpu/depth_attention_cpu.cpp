@@ -454,6 +454,22 @@ inline T softmax_weights(const T* s, int64_t stride, int64_t n, const T* lse_a, 
   return top + std::log(sum);
 }
 
+// Stores v at p (aligned to the vector's size) with a non-temporal store where
+// the vector ISA has one.
+template <typename T>
+inline void store_streaming(const Vectorized<T>& v, T* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return _mm512_stream_ps(p, v);
+  if constexpr (std::is_same_v<T, double>) return _mm512_stream_pd(p, v);
+  if constexpr (is_reduced_float<T>) return _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return _mm256_stream_ps(p, v);
+  if constexpr (std::is_same_v<T, double>) return _mm256_stream_pd(p, v);
+  if constexpr (is_reduced_float<T>) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+#endif
+  v.store(p);
+}
+
 // Walks the cache lines of the rows that the forward reads next (each source's
 // rows in turn), one prefetch into L2 per step(). One prefetch per inner step,
 // spread over the work, puts those rows on their way without a burst that
@@ -504,57 +520,73 @@ class LinePrefetcher {
 
 // h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n rows, in one sweep over the rows
 // (each vector of a row loaded once for all the sites); h is [G, dim], in order. `prefetch`
-// (if any) steps once per row and vector pair.
+// (if any) steps once per row and vector pair. With `out` (bf16 rows only: G row pointers), h_q is
+// not stored but rounded to bf16 into out[q] straight from the sum order, with non-temporal stores
+// when `stream` (rows aligned to the vector size): no float row to interleave and convert (the
+// 3-site bf16 forward spent a fifth of its time converting and storing its float rows).
 template <int G, typename src_t>
 inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n, int64_t dim, float* h,
-                               LinePrefetcher* prefetch) {
+                               LinePrefetcher* prefetch, at::BFloat16* const* out = nullptr, bool stream = false) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
+  // One or two sites sum the even and the odd rows in separate sets of accumulators (S = 2), added
+  // at the end: with 2G accumulators each row's multiply-adds waited on the last row's.
+  constexpr int S = G <= 2 ? 2 : 1;
   for (; d + 2 * W <= dim; d += 2 * W) {
-    fVec first_sums[G], second_sums[G];
-    for (int q = 0; q < G; ++q) first_sums[q] = second_sums[q] = fVec(0.f);
-    for (int64_t i = 0; i < n; ++i) {
+    fVec first_sums[S][G], second_sums[S][G];
+    for (int set = 0; set < S; ++set) {
+      for (int q = 0; q < G; ++q) first_sums[set][q] = second_sums[set][q] = fVec(0.f);
+    }
+    auto add_row = [&](int64_t i, int set) C10_ALWAYS_INLINE_ATTRIBUTE {
       if (prefetch != nullptr) prefetch->step();
       const auto [first, second] = vectors_for_sums<src_t, float>(x[i] + d);
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
         const fVec aq(a[q * n + i]);
-        first_sums[q] = at::vec::fmadd(aq, first, first_sums[q]);
-        second_sums[q] = at::vec::fmadd(aq, second, second_sums[q]);
+        first_sums[set][q] = at::vec::fmadd(aq, first, first_sums[set][q]);
+        second_sums[set][q] = at::vec::fmadd(aq, second, second_sums[set][q]);
       }
+    };
+    int64_t i = 0;
+    for (; i + S <= n; i += S) {
+#pragma GCC unroll 2
+      for (int set = 0; set < S; ++set) add_row(i + set, set);
     }
+    if (i < n) add_row(i, 0);
     for (int q = 0; q < G; ++q) {
-      if constexpr (kSplitSumOrder<src_t>) {
-        std::tie(first_sums[q], second_sums[q]) = at::vec::interleave2(first_sums[q], second_sums[q]);
+      fVec first = first_sums[0][q], second = second_sums[0][q];
+      if constexpr (S == 2) {
+        first = first + first_sums[1][q];
+        second = second + second_sums[1][q];
       }
-      first_sums[q].store(h + q * dim + d);
-      second_sums[q].store(h + q * dim + d + W);
+      if constexpr (kSplitSumOrder<src_t>) {
+        if (out != nullptr) {
+          const Vectorized<at::BFloat16> rounded = bf16_from_even_odd(first, second);
+          if (stream) {
+            store_streaming(rounded, out[q] + d);
+          } else {
+            rounded.store(out[q] + d);
+          }
+          continue;
+        }
+        std::tie(first, second) = at::vec::interleave2(first, second);
+      }
+      first.store(h + q * dim + d);
+      second.store(h + q * dim + d + W);
     }
   }
   for (; d < dim; ++d) {
     for (int q = 0; q < G; ++q) {
       float sum = 0.f;
       for (int64_t i = 0; i < n; ++i) sum += a[q * n + i] * static_cast<float>(x[i][d]);
-      h[q * dim + d] = sum;
+      if (out != nullptr) {
+        out[q][d] = static_cast<at::BFloat16>(sum);
+      } else {
+        h[q * dim + d] = sum;
+      }
     }
   }
-}
-
-// Stores v at p (aligned to the vector's size) with a non-temporal store where
-// the vector ISA has one.
-template <typename T>
-inline void store_streaming(const Vectorized<T>& v, T* p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) return _mm512_stream_ps(p, v);
-  if constexpr (std::is_same_v<T, double>) return _mm512_stream_pd(p, v);
-  if constexpr (is_reduced_float<T>) return _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) return _mm256_stream_ps(p, v);
-  if constexpr (std::is_same_v<T, double>) return _mm256_stream_pd(p, v);
-  if constexpr (is_reduced_float<T>) return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
-#endif
-  v.store(p);
 }
 
 // h = Σ_i a_i x_i, plus b y when y is given: each vector of h is summed in a
@@ -1004,6 +1036,8 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 
   // A block holds several tiles, so that pass B of one tile can prefetch the next.
   const int64_t block = std::max(block_units(row_work), kTilesPerBlock * tile), num_blocks = (M + block - 1) / block;
+  // The sweeps of bf16 rows round a bf16 output without an output norm straight into its rows.
+  const bool bf16_out = bf16_rows && g == nullptr && out.dtype == at::kBFloat16;
   BlockQueue blocks(num_blocks);
   at::parallel_for(0, num_blocks, BlockQueue::grain(block * row_work), [&](int64_t, int64_t) {
     // Per tile row k: v[k * N + i] is source i's row (in place or in its slot
@@ -1011,6 +1045,7 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
     std::vector<src_t> rowbuf(tile * slots.size);
     std::vector<acc_t> h(D), habuf(D), vbuf(D), tmp(D), dots(Q), s(tile * Q * N), alpha(N);
     std::vector<acc_t> site_alpha(sweep_sites ? Q * N : 0), site_h(sweep_sites ? Q * D : 0);
+    std::vector<at::BFloat16*> out_rows(sweep_sites ? Q : 0);  // row p of every site's output (bf16_out)
     std::vector<const src_t*> v(tile * N);
     for (int64_t b; blocks.next(b);) {
       const int64_t block_end = std::min(M, (b + 1) * block);
@@ -1062,13 +1097,17 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
                     softmax_weights(s.data() + (k * Q + q) * N, 1, N, static_cast<const acc_t*>(nullptr), a, &unused);
                 for (int64_t i = 0; normalize_values && i < N; ++i) a[i] *= rinv[i * M + p];
               }
+              for (int64_t q = 0; bf16_out && q < Q; ++q) {
+                out_rows[q] = reinterpret_cast<at::BFloat16*>(out.data + (q * M + p) * out.row_bytes);
+              }
               for (int64_t q0 = 0; q0 < Q; q0 += kSweepSites) {
                 with_site_count(std::min(kSweepSites, Q - q0), [&](auto sites) {
                   weighted_sums_rows<decltype(sites)::value>(v.data() + k * N, site_alpha.data() + q0 * N, N, D,
-                                                             site_h.data() + q0 * D, &next_tile);
+                                                             site_h.data() + q0 * D, &next_tile,
+                                                             bf16_out ? out_rows.data() + q0 : nullptr, stream_sums);
                 });
               }
-              for (int64_t q = 0; q < Q; ++q) write_row(site_h.data() + q * D, q, p, tmp.data());
+              for (int64_t q = 0; !bf16_out && q < Q; ++q) write_row(site_h.data() + q * D, q, p, tmp.data());
               continue;
             }
           }
