@@ -117,6 +117,16 @@ def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm,
     compare_read("cpu", sources, q=q, out_norm=out_norm, prefix_split=2 if merge else None)
 
 
+@pytest.mark.parametrize("q", [2, 3])
+def test_multi_site_bf16_forward_streams_its_output_rows(q):
+    """Several sites over bf16 rows, no output norm, an output of at least 8 MiB (2100 rows x q x 1024
+    bf16): the sweep rounds each output vector straight into its row with non-temporal stores. Outputs
+    and gradients against the reference."""
+    from test_fused_reads import compare_read
+
+    compare_read("cpu", make_sources(5, (2100,), 1024, torch.bfloat16), q=q, out_norm=False)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharp_softmax_weights_below_the_normal_range(dtype):
     # Logits ~100 apart: many softmax weights fall below the smallest normal
