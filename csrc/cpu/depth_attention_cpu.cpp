@@ -519,12 +519,13 @@ class LinePrefetcher {
 };
 
 // h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n rows, in one sweep over the rows
-// (each vector of a row loaded once for all the sites); h is [G, dim], in order. `prefetch`
+// (each vector of a row loaded once for all the sites); h is [G, dim], in order (in the sum order
+// with kSumOrderH). `prefetch`
 // (if any) steps once per row and vector pair. With `out` (bf16 rows only: G row pointers), h_q is
 // not stored but rounded to bf16 into out[q] straight from the sum order, with non-temporal stores
 // when `stream` (rows aligned to the vector size): no float row to interleave and convert (the
 // 3-site bf16 forward spent a fifth of its time converting and storing its float rows).
-template <int G, typename src_t>
+template <int G, typename src_t, bool kSumOrderH = false>
 inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n, int64_t dim, float* h,
                                LinePrefetcher* prefetch, at::BFloat16* const* out = nullptr, bool stream = false) {
   using fVec = Vectorized<float>;
@@ -570,7 +571,7 @@ inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n,
           }
           continue;
         }
-        std::tie(first, second) = at::vec::interleave2(first, second);
+        if constexpr (!kSumOrderH) std::tie(first, second) = at::vec::interleave2(first, second);
       }
       first.store(h + q * dim + d);
       second.store(h + q * dim + d + W);
@@ -1243,13 +1244,11 @@ inline void accumulate_from_sum_order(double* dst, const float* x, int64_t n) {
 }
 
 // Back through the fused output norm y = rstd h ⊙ g (rstd = 1 / sqrt(mean(h²) + eps)) for one row
-// of n values: dg += rstd dy ⊙ h and do = rstd g ⊙ dy + k h, k = -rstd³ <g ⊙ dy, h> / n; do is
-// written with each vector pair split as split_even_odd splits it when `split`, and may be gy, n
-// values of scratch. (A function of its own: in the row loop's lambda, GCC reloaded the row length
-// from the closure after every store of its loops.)
+// of n values: dg += rstd dy ⊙ h and do = rstd g ⊙ dy + k h, k = -rstd³ <g ⊙ dy, h> / n, written
+// over gy (n values of scratch). (A function of its own: in the row loop's lambda, GCC reloaded the
+// row length from the closure after every store of its loops.)
 template <typename T>
-inline void out_norm_backward(const T* h, const T* dy, const T* g, T eps, int64_t n, bool split, T* gy, T* dg,
-                              T* do_out) {
+inline void out_norm_backward(const T* h, const T* dy, const T* g, T eps, int64_t n, T* gy, T* dg) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const T rstd = T(1) / std::sqrt(dot(h, h, n) / static_cast<T>(n) + eps);
@@ -1269,14 +1268,57 @@ inline void out_norm_backward(const T* h, const T* dy, const T* g, T eps, int64_
     gy_h += gy[d] * h[d];
   }
   const T k = -rstd * rstd * rstd * gy_h / static_cast<T>(n);
-  for (d = 0; d + 2 * W <= n; d += 2 * W) {
-    Vec lo = at::vec::fmadd(Vec::loadu(gy + d), Vec(rstd), Vec::loadu(h + d) * Vec(k));
-    Vec hi = at::vec::fmadd(Vec::loadu(gy + d + W), Vec(rstd), Vec::loadu(h + d + W) * Vec(k));
-    if (split) std::tie(lo, hi) = at::vec::deinterleave2(lo, hi);
-    lo.store(do_out + d);
-    hi.store(do_out + d + W);
+  for (d = 0; d + W <= n; d += W) {
+    at::vec::fmadd(Vec::loadu(gy + d), Vec(rstd), Vec::loadu(h + d) * Vec(k)).store(gy + d);
   }
-  for (; d < n; ++d) do_out[d] = gy[d] * rstd + h[d] * k;
+  for (; d < n; ++d) gy[d] = gy[d] * rstd + h[d] * k;
+}
+
+// out_norm_backward for the sweep rows: h, g, dg and do in the sum order, dy read through
+// vectors_for_sums (bf16 rows of dy for bf16 sources in place, float rows already in the sum order),
+// in two passes over the row: sum(h²) and <g ⊙ dy, h>, then dg += rstd dy ⊙ h and
+// do = rstd g ⊙ dy + k h. do_out may be the float row dy (each vector is read before it is written).
+// (The general out_norm_backward spent five passes on a row of a bf16 read: dy converted to floats in
+// order, sum(h²), g ⊙ dy stored, do formed, then split into the sum order; with h interleaved back
+// into order before them.)
+template <typename dy_t>
+inline void out_norm_backward_sum_order(const float* h, const dy_t* dy, const float* g, float eps, int64_t n, float* dg,
+                                        float* do_out) {
+  using fVec = Vectorized<float>;
+  constexpr int64_t W = fVec::size();
+  fVec sumsq_acc[2] = {fVec(0.f), fVec(0.f)}, gy_h_acc[2] = {fVec(0.f), fVec(0.f)};
+  int64_t d = 0;
+  for (; d + 2 * W <= n; d += 2 * W) {
+    const auto [dy_first, dy_second] = vectors_for_sums<dy_t, float>(dy + d);
+    const fVec h_first = fVec::loadu(h + d), h_second = fVec::loadu(h + d + W);
+    sumsq_acc[0] = at::vec::fmadd(h_first, h_first, sumsq_acc[0]);
+    sumsq_acc[1] = at::vec::fmadd(h_second, h_second, sumsq_acc[1]);
+    gy_h_acc[0] = at::vec::fmadd(dy_first * fVec::loadu(g + d), h_first, gy_h_acc[0]);
+    gy_h_acc[1] = at::vec::fmadd(dy_second * fVec::loadu(g + d + W), h_second, gy_h_acc[1]);
+  }
+  auto add = [](fVec& a, fVec& b) { return a + b; };
+  float sumsq = at::vec::vec_reduce_all<float>(add, sumsq_acc[0] + sumsq_acc[1]);
+  float gy_h = at::vec::vec_reduce_all<float>(add, gy_h_acc[0] + gy_h_acc[1]);
+  for (int64_t e = d; e < n; ++e) {
+    sumsq += h[e] * h[e];
+    gy_h += g[e] * static_cast<float>(dy[e]) * h[e];
+  }
+  const float rstd = 1.f / std::sqrt(sumsq / static_cast<float>(n) + eps);
+  const float k = -rstd * rstd * rstd * gy_h / static_cast<float>(n);
+  const fVec rstd_v(rstd), k_v(k);
+  for (d = 0; d + 2 * W <= n; d += 2 * W) {
+    const auto [dy_first, dy_second] = vectors_for_sums<dy_t, float>(dy + d);
+    const fVec h_first = fVec::loadu(h + d), h_second = fVec::loadu(h + d + W);
+    at::vec::fmadd(dy_first * h_first, rstd_v, fVec::loadu(dg + d)).store(dg + d);
+    at::vec::fmadd(dy_second * h_second, rstd_v, fVec::loadu(dg + d + W)).store(dg + d + W);
+    at::vec::fmadd(dy_first * fVec::loadu(g + d), rstd_v, h_first * k_v).store(do_out + d);
+    at::vec::fmadd(dy_second * fVec::loadu(g + d + W), rstd_v, h_second * k_v).store(do_out + d + W);
+  }
+  for (; d < n; ++d) {
+    const float dy_d = static_cast<float>(dy[d]);
+    dg[d] += dy_d * h[d] * rstd;
+    do_out[d] = g[d] * dy_d * rstd + h[d] * k;
+  }
 }
 
 // The backward's row sums (du, dg) are summed over at most this many rows in the accumulation
@@ -1343,10 +1385,12 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   for (int64_t i = 0; i < N; ++i) src_row_bytes[i] = rows.src[i].row_bytes;
   bool stream_rows = stream && (D * static_cast<int64_t>(c10::elementSize(src_dtype))) % 64 == 0;
   for (const auto& grad : dsrc_t) stream_rows = stream_rows && reinterpret_cast<uintptr_t>(grad.data_ptr()) % 64 == 0;
-  std::vector<float> u_sum_order(sweep_rows ? Q * D : 0);
+  std::vector<float> u_sum_order(sweep_rows ? Q * D : 0), g_sum_order(sweep_rows && g != nullptr ? Q * D : 0);
   if constexpr (std::is_same_v<acc_t, float>) {
+    const auto to_sweep_order = src_bf16 ? to_sum_order<at::BFloat16> : to_sum_order<float>;
     for (int64_t q = 0; sweep_rows && q < Q; ++q) {
-      (src_bf16 ? to_sum_order<at::BFloat16> : to_sum_order<float>)(u + q * D, D, u_sum_order.data() + q * D);
+      to_sweep_order(u + q * D, D, u_sum_order.data() + q * D);
+      if (g != nullptr) to_sweep_order(g + q * D, D, g_sum_order.data() + q * D);
     }
   }
   // Calls fn(sites, src_t{}) for the compile-time site count and source dtype of the sweeps.
@@ -1370,14 +1414,16 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
   // and a split pass. With bf16_from_even_odd's rounding, measured at N=9, 8192 rows, D=1024
   // (2 threads, % of a copy of the floor's bytes, three A/B runs): 3 sites 62-65 -> 69-72 %, 1 site
   // 82-85 -> 89-90 %. (Reading dy's bf16 rows in place in every sweep instead measured the same.)
-  const bool dy_to_sum_order = sweep_rows && g == nullptr;
+  // With the out norm, its backward reads dy's rows in place when they are in the sources' dtype.
+  const bool norm_reads_dy = sweep_rows && g != nullptr && dy.dtype == src_dtype;
+  const bool dy_to_sum_order = sweep_rows && !norm_reads_dy;
 
   BlockQueue chunks(num_chunks);
   at::parallel_for(0, num_chunks, BlockQueue::grain(chunk * (2 * N + 2) * Q * D), [&](int64_t, int64_t) {
     // v: the row of every source as acc_t (converted once per row into rowbuf
     // when needed; bf16 sweep rows: vb, read in place); do_[q]: gradient w.r.t. the
     // un-normalized read h_q (do_sum_order: in the sum order, for sweep rows);
-    // hbuf: recomputed h_q (out-norm only); alpha/dp: softmax weights
+    // hbuf: recomputed h_q (out-norm only; in the sum order for sweep rows); alpha/dp: softmax weights
     // and the gradient of α_qi (<do_q, value_i>); weight: α_qi, or α_qi r_i for
     // normalised values (the factor of v_i in h_q); c1_qi = ds_qi r_i and c2_i:
     // the coefficients of u_q and v_i in dv_i; du_sum_order: the sweep rows' du sums of
@@ -1400,7 +1446,8 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         return std::make_pair(v.data(), dvf.data());
       }
     };
-    // du_rows / dg_rows: du and dg summed over the rows since the last flush (kRowsPerFlush).
+    // du_rows / dg_rows: du and dg summed over the rows since the last flush (kRowsPerFlush); dg_rows
+    // in the sum order for sweep rows.
     std::vector<acc_t> du_rows(sweep_rows ? 0 : Q * D), dg_rows(g != nullptr ? Q * D : 0);
     auto flush_rows = [](std::vector<acc_t>& sums, double* partial) {
       accumulate_scaled(partial, acc_t(1), sums.data(), static_cast<int64_t>(sums.size()));
@@ -1448,27 +1495,32 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
         if (g != nullptr) {
           // Recompute h = Σ α v (+ α_a h_a), then back through y = h * rstd(h) * g.
           if constexpr (std::is_same_v<acc_t, float>) {
-            if (sweep_rows) {  // every site's h in one sweep over the rows
+            if (sweep_rows) {  // every site's h in one sweep over the rows, all in the sum order
               with_sweep_types([&](auto sites, auto tag) {
-                weighted_sums_rows<decltype(sites)::value>(sweep_rows_of(tag).first, weight, N, D, hbuf.data(),
-                                                           nullptr);
+                using src_t = decltype(tag);
+                weighted_sums_rows<decltype(sites)::value, src_t, true>(sweep_rows_of(tag).first, weight, N, D,
+                                                                        hbuf.data(), nullptr);
+                for (int64_t q = 0; q < Q; ++q) {
+                  float* do_q = do_sum_order.data() + q * D;  // dy in the sum order unless norm_reads_dy
+                  const float* hq = hbuf.data() + q * D;
+                  const float* gq = g_sum_order.data() + q * D;
+                  if (norm_reads_dy) {
+                    const auto* dyq = reinterpret_cast<const src_t*>(dy.data + (q * M + p) * dy.row_bytes);
+                    out_norm_backward_sum_order(hq, dyq, gq, out_eps, D, dg_rows.data() + q * D, do_q);
+                  } else {
+                    out_norm_backward_sum_order(hq, static_cast<const float*>(do_q), gq, out_eps, D,
+                                                dg_rows.data() + q * D, do_q);
+                  }
+                }
               });
             }
           }
-          for (int64_t q = 0; q < Q; ++q) {
+          for (int64_t q = 0; q < Q && !sweep_rows; ++q) {
             acc_t* hq = hbuf.data() + q * D;
-            if (!sweep_rows) {
-              const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
-              weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
-            }
+            const acc_t* ha = has_prefix ? load_row(rows.h_a, q * M + p, vbuf.data(), D) : nullptr;
+            weighted_sum(v.data(), weight + q * N, N, ha, alpha_a[q], D, hq);
             const acc_t* dyq = load_row(dy, q * M + p, vbuf.data(), D);  // in place when in acc_t
-            // do_q: for sweep rows straight into their sum order (no pass of its own).
-            acc_t* do_q = do_.data() + q * D;
-            if constexpr (std::is_same_v<acc_t, float>) {
-              if (sweep_rows) do_q = do_sum_order.data() + q * D;
-            }
-            out_norm_backward(hq, dyq, g + q * D, out_eps, D, sweep_rows && src_bf16, do_.data() + q * D,
-                              dg_rows.data() + q * D, do_q);
+            out_norm_backward(hq, dyq, g + q * D, out_eps, D, do_.data() + q * D, dg_rows.data() + q * D);
           }
         }
         // Pass 1: dp_qi = <do_q, value_i> (value_i = v_i, or r_i v_i for normalised
@@ -1520,14 +1572,13 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
               source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), c2.data(), do_sum_order.data(),
                                                         u_sum_order.data(), du_sum_order.data(), D, grad_rows,
                                                         stream_rows, rows_ahead > 0 ? src_row_bytes.data() : nullptr);
-              if (flush) {
-                for (int64_t q = 0; q < Q; ++q) {
-                  accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
-                }
+              for (int64_t q = 0; flush && q < Q; ++q) {
+                accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
+                if (g != nullptr) accumulate_from_sum_order<decltype(tag)>(dg_c + q * D, dg_rows.data() + q * D, D);
               }
             });
             if (flush) std::fill(du_sum_order.begin(), du_sum_order.end(), 0.f);
-            if (flush && g != nullptr) flush_rows(dg_rows, dg_c);
+            if (flush) std::fill(dg_rows.begin(), dg_rows.end(), 0.f);
             continue;
           }
         }
