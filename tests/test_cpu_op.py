@@ -117,6 +117,37 @@ def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm,
     compare_read("cpu", sources, q=q, out_norm=out_norm, prefix_split=2 if merge else None)
 
 
+def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers():
+    """Outputs of 1 MiB or more come from the op's buffer cache, each starting on a page boundary
+    (the backward writes its source gradients fastest at one page offset), also when a buffer freed
+    by an earlier call is handed out again: the second call's output and gradients, written into
+    the first call's buffers, are those of the reference."""
+    torch.ops.attnres.empty_cpu_cache()
+    sources = make_sources(3, (600,), 1000, torch.float32)  # 2.4 MB per output
+    w, g, _ = site_params(None, 1000)
+    torch.manual_seed(0)
+    grad_out = torch.randn(600, 1000)
+
+    def output_and_grads(impl, srcs, params, **kw):
+        srcs = [s.clone().requires_grad_() for s in srcs]
+        out = impl.depth_attention(*params[:1], srcs, *params[1:], **kw)
+        return [out, *torch.autograd.grad(out, srcs, grad_out.to(out.dtype))]
+
+    same = output_and_grads(reference, sources, (w, g))
+    oracle = output_and_grads(reference, [s.double() for s in sources], (w.double(), g.double()))
+    first_buffers = None
+    for _ in range(2):
+        got = output_and_grads(ak, sources, (w, g), backend="cpu")
+        buffers = [t.data_ptr() for t in got[:4]]  # the output and the 3 source gradients
+        assert [p % 4096 for p in buffers] == [0] * 4, [hex(p) for p in buffers]
+        for name, a, b, c in zip(["out", "d_source_0", "d_source_1", "d_source_2"], got, same, oracle):
+            assert_close_to_oracle(name, a, b, c)
+        if first_buffers is not None:
+            assert set(buffers) == set(first_buffers), "the freed buffers were not handed out again"
+        first_buffers = buffers
+        del got, a  # (a: the last gradient) frees the buffers for the next call
+
+
 @pytest.mark.parametrize("q", [2, 3])
 def test_multi_site_bf16_forward_streams_its_output_rows(q):
     """Several sites over bf16 rows, no output norm, an output of at least 8 MiB (2100 rows x q x 1024

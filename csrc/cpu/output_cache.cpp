@@ -12,6 +12,15 @@
 // madvise(MADV_HUGEPAGE) region compacts memory synchronously on its first
 // fault, which stalled single calls by up to 0.7 s.
 //
+// Each buffer starts on a page boundary (it is allocated a page longer). The
+// backward writes its N source gradients row by row with non-temporal stores,
+// one line of each in turn; with gradients at one page offset it ran 5-12 %
+// faster than with offsets 128 bytes apart, which is what glibc's heap hands
+// out for a run of allocations of one size after its dynamic mmap threshold
+// has grown (N=9, 8192 rows, D=1024, bf16, 2 threads; the offsets of the
+// sources mattered less). Page-aligned outputs keep that rate whatever the
+// process allocated before.
+//
 // Buffers smaller than kMinBytes come from the default CPU allocator (glibc
 // reuses those from its heap). Free buffers are kept up to a limit: the
 // environment variable ATTNRES_CPU_CACHE_MB when set (0 disables the cache),
@@ -22,6 +31,7 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -42,7 +52,8 @@ size_t limit_from_env() {
 }
 
 struct Block {
-  void* ptr;
+  void* allocation;  // from c10::alloc_cpu: size + kPageBytes bytes
+  void* ptr;         // the buffer: the first page boundary in the allocation
   size_t size;
 };
 
@@ -63,7 +74,11 @@ class OutputCache final : public c10::Allocator {
       }
       in_use_ += block != nullptr ? block->size : size;
     }
-    if (block == nullptr) block = new Block{c10::alloc_cpu(size), size};
+    if (block == nullptr) {
+      void* allocation = c10::alloc_cpu(size + kPageBytes);
+      const uintptr_t page_start = (reinterpret_cast<uintptr_t>(allocation) + kPageBytes - 1) / kPageBytes * kPageBytes;
+      block = new Block{allocation, reinterpret_cast<void*>(page_start), size};
+    }
     report(block, static_cast<int64_t>(block->size));
     return {block->ptr, block, &OutputCache::release, c10::Device(c10::kCPU)};
   }
@@ -104,7 +119,7 @@ class OutputCache final : public c10::Allocator {
   }
 
   static void destroy(Block* block) {
-    c10::free_cpu(block->ptr);
+    c10::free_cpu(block->allocation);
     delete block;
   }
 
