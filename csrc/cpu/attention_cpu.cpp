@@ -589,23 +589,29 @@ inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t l
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  // Column steps of NB blocks of 2W: one or two query rows take 4W columns of each key at a time (a
+  // 64-value fp32 key row's four lines one after the other, not every other pair of lines), more rows
+  // 2W (their query vectors fill the registers).
+  constexpr int NB = RB <= 2 ? 2 : 1;
   int64_t d = 0;
-  for (; d + 2 * W <= cols; d += 2 * W) {
-    __m512 q0[RB], q1[RB];
+  const auto step = [&](auto blocks) C10_ALWAYS_INLINE_ATTRIBUTE {
+    constexpr int B = decltype(blocks)::value;
+    __m512 qv[RB][2 * B];
 #pragma GCC unroll 16
-    for (int r = 0; r < RB; ++r) {
-      q0[r] = _mm512_loadu_ps(q + r * ldq + d);
-      q1[r] = _mm512_loadu_ps(q + r * ldq + d + W);
-    }
+    for (int r = 0; r < RB; ++r)
+      for (int i = 0; i < 2 * B; ++i) qv[r][i] = _mm512_loadu_ps(q + r * ldq + d + i * W);
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j) {
-      Vec<float> a, b;
-      RowLoad<Src, float>::block(x + j * ld + d, a, b);
+      Vec<float> kv[2 * B];
+      for (int b = 0; b < B; ++b) RowLoad<Src, float>::block(x + j * ld + d + 2 * b * W, kv[2 * b], kv[2 * b + 1]);
 #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r)
-        acc[r * KB + j] = _mm512_fmadd_ps(q1[r], b, _mm512_fmadd_ps(q0[r], a, acc[r * KB + j]));
+        for (int i = 0; i < 2 * B; ++i) acc[r * KB + j] = _mm512_fmadd_ps(qv[r][i], kv[i], acc[r * KB + j]);
     }
-  }
+    d += 2 * B * W;
+  };
+  while (d + 2 * NB * W <= cols) step(std::integral_constant<int, NB>{});
+  while (d + 2 * W <= cols) step(std::integral_constant<int, 1>{});
   if (d < cols) {
 #pragma GCC unroll 16
     for (int j = 0; j < KB; ++j) {
