@@ -521,11 +521,11 @@ class LinePrefetcher {
 
 // h_q = Σ_i a[q * n + i] x_i for the G sites q < G over n rows, in one sweep over the rows
 // (each vector of a row loaded once for all the sites); h is [G, dim], in order (in the sum order
-// with kSumOrderH). `prefetch`
-// (if any) steps once per row and vector pair. With `out` (bf16 rows only: G row pointers), h_q is
-// not stored but rounded to bf16 into out[q] straight from the sum order, with non-temporal stores
-// when `stream` (rows aligned to the vector size): no float row to interleave and convert (the
-// 3-site bf16 forward spent a fifth of its time converting and storing its float rows).
+// with kSumOrderH). `prefetch` (if any) steps once per row and vector pair. With `out` (bf16 rows
+// only: G row pointers), h_q is not stored but rounded to bf16 into out[q] straight from the sum
+// order, with non-temporal stores when `stream` (rows aligned to the vector size): no float row to
+// interleave and convert (the 3-site bf16 forward spent a fifth of its time converting and storing
+// its float rows).
 template <int G, typename src_t, bool kSumOrderH = false>
 inline void weighted_sums_rows(const src_t* const* x, const float* a, int64_t n, int64_t dim, float* h,
                                LinePrefetcher* prefetch, at::BFloat16* const* out = nullptr, bool stream = false) {
