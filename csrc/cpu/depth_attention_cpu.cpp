@@ -689,6 +689,11 @@ inline void weighted_sum(const T* const* x, const float* a, int64_t n, const flo
       h2 = at::vec::fmadd(ai, x2, h2);
       h3 = at::vec::fmadd(ai, x3, h3);
     }
+    if constexpr (kStream && std::is_same_v<T, at::BFloat16>) {  // rounded into place from the sum order
+      store_streaming(bf16_from_even_odd(h0, h1), out + d);
+      store_streaming(bf16_from_even_odd(h2, h3), out + d + B);
+      continue;
+    }
     if constexpr (std::is_same_v<T, at::BFloat16>) {
       std::tie(h0, h1) = at::vec::interleave2(h0, h1);
       std::tie(h2, h3) = at::vec::interleave2(h2, h3);
@@ -773,6 +778,10 @@ inline void pipeline_step(int64_t d, const src_t* const* next, const src_t* cons
   if (cur == nullptr) return;
 #pragma GCC unroll 2
   for (int j = 0; j < K; j += 2) {
+    if constexpr (bf16 && kStream) {  // rounded into place from the sum order
+      store_streaming(bf16_from_even_odd(hv[j], hv[j + 1]), out + d + j * W);
+      continue;
+    }
     if constexpr (bf16) std::tie(hv[j], hv[j + 1]) = at::vec::interleave2(hv[j], hv[j + 1]);
     if constexpr (!kStream) {
       hv[j].store(h + d + j * W);
