@@ -1,5 +1,10 @@
 """Properties specific to the C++ CPU op: determinism, torch.compile, build info."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -117,11 +122,11 @@ def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm,
     compare_read("cpu", sources, q=q, out_norm=out_norm, prefix_split=2 if merge else None)
 
 
-def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers():
+def check_large_outputs_on_page_boundaries(expect_reuse: bool):
     """Outputs of 1 MiB or more come from the op's buffer cache, each starting on a page boundary
     (the backward writes its source gradients fastest at one page offset), also when a buffer freed
-    by an earlier call is handed out again: the second call's output and gradients, written into
-    the first call's buffers, are those of the reference."""
+    by an earlier call is handed out again (expect_reuse: the cache keeps freed buffers): the second
+    call's output and gradients, written into the first call's buffers, are those of the reference."""
     torch.ops.attnres.empty_cpu_cache()
     sources = make_sources(3, (600,), 1000, torch.float32)  # 2.4 MB per output
     w, g, _ = site_params(None, 1000)
@@ -142,10 +147,26 @@ def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers():
         assert [p % 4096 for p in buffers] == [0] * 4, [hex(p) for p in buffers]
         for name, a, b, c in zip(["out", "d_source_0", "d_source_1", "d_source_2"], got, same, oracle):
             assert_close_to_oracle(name, a, b, c)
-        if first_buffers is not None:
+        if first_buffers is not None and expect_reuse:
             assert set(buffers) == set(first_buffers), "the freed buffers were not handed out again"
         first_buffers = buffers
         del got, a  # (a: the last gradient) frees the buffers for the next call
+
+
+@pytest.mark.parametrize("cache_mb", [None, "0"])
+def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers(cache_mb):
+    """check_large_outputs_on_page_boundaries in a subprocess (the cache reads ATTNRES_CPU_CACHE_MB once
+    per process): with the default limit, freed buffers are handed out again; with 0 none is kept, and
+    the outputs are still page-aligned."""
+    tests = Path(__file__).resolve().parent
+    check = f"check_large_outputs_on_page_boundaries(expect_reuse={cache_mb is None})"
+    code = f"import test_cpu_op; test_cpu_op.{check}; print('checked')"
+    env = {k: v for k, v in os.environ.items() if k != "ATTNRES_CPU_CACHE_MB"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent)])
+    if cache_mb is not None:
+        env["ATTNRES_CPU_CACHE_MB"] = cache_mb
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr
 
 
 @pytest.mark.parametrize("q", [2, 3])

@@ -23,8 +23,9 @@
 //
 // Buffers smaller than kMinBytes come from the default CPU allocator (glibc
 // reuses those from its heap). Free buffers are kept up to a limit: the
-// environment variable ATTNRES_CPU_CACHE_MB when set (0 disables the cache),
-// else 1/8 of the physical memory. attnres::empty_cpu_cache() frees them.
+// environment variable ATTNRES_CPU_CACHE_MB when set (0 keeps none: every
+// buffer is freed when its tensor is, still page-aligned while it lived), else
+// 1/8 of the physical memory. attnres::empty_cpu_cache() frees them.
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -60,7 +61,7 @@ struct Block {
 class OutputCache final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
-    if (nbytes < kMinBytes || limit_ == 0) return c10::GetDefaultCPUAllocator()->allocate(nbytes);
+    if (nbytes < kMinBytes) return c10::GetDefaultCPUAllocator()->allocate(nbytes);
     const size_t size = (nbytes + kPageBytes - 1) / kPageBytes * kPageBytes;
     Block* block = nullptr;
     {
