@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -107,3 +111,19 @@ def spawn_ranks(worker, world: int, args: tuple, timeout_s: float) -> None:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the distributed ranks did not finish within {timeout_s} s")
+
+
+def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) -> None:
+    """Runs ``module.call`` (a check function of a test module, which raises on failure) in a fresh
+    Python process whose environment is this one's with ``env`` applied (None unsets a variable):
+    for settings the native ops read once per process. Fails the test unless the check passed."""
+    tests = Path(__file__).resolve().parent
+    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    for name, value in env.items():
+        if value is None:
+            child_env.pop(name, None)
+        else:
+            child_env[name] = value
+    code = f"import {module}; {module}.{call}; print('checked')"
+    result = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr

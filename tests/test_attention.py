@@ -8,10 +8,7 @@ interpreter runs one program at a time in numpy.
 import importlib
 import itertools
 import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +16,13 @@ import torch
 import attnres_kernels as ak
 from attnres_kernels import ops, reference
 
-from support import assert_close_to_oracle, attnres_ops_called, read_with_grads, reference_and_oracle
+from support import (
+    assert_close_to_oracle,
+    attnres_ops_called,
+    read_with_grads,
+    reference_and_oracle,
+    run_check_in_subprocess,
+)
 
 # `ak.ops.attention` is the function; the module holds the backend helpers.
 attention_ops = importlib.import_module("attnres_kernels.ops.attention")
@@ -416,11 +419,7 @@ def test_cpu_decode_bf16_scores():
 def test_cpu_decode_bf16_scores_without_avx512_bf16():
     """The same with ATTNRES_CPU_AVX512_BF16=0 (read once per process: a subprocess), the
     path of CPUs without AVX512-BF16."""
-    tests = Path(__file__).resolve().parent
-    code = "import test_attention; test_attention.check_bf16_decode_scores(); print('checked')"
-    env = {**os.environ, "ATTNRES_CPU_AVX512_BF16": "0", "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "checked" in result.stdout, result.stderr
+    run_check_in_subprocess("test_attention", "check_bf16_decode_scores()", {"ATTNRES_CPU_AVX512_BF16": "0"})
 
 
 def test_cpu_decode_gradcheck_fp64():

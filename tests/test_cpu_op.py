@@ -1,17 +1,12 @@
 """Properties specific to the C++ CPU op: determinism, torch.compile, build info."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 import attnres_kernels as ak
 from attnres_kernels import reference
 
-from support import assert_close_to_oracle, make_sources, read_with_grads, site_params
+from support import assert_close_to_oracle, make_sources, read_with_grads, run_check_in_subprocess, site_params
 
 pytestmark = pytest.mark.skipif("cpu" not in ak.available_backends("cpu"), reason=ak.build_info())
 
@@ -158,15 +153,8 @@ def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers(cache_mb
     """check_large_outputs_on_page_boundaries in a subprocess (the cache reads ATTNRES_CPU_CACHE_MB once
     per process): with the default limit, freed buffers are handed out again; with 0 none is kept, and
     the outputs are still page-aligned."""
-    tests = Path(__file__).resolve().parent
-    check = f"check_large_outputs_on_page_boundaries(expect_reuse={cache_mb is None})"
-    code = f"import test_cpu_op; test_cpu_op.{check}; print('checked')"
-    env = {k: v for k, v in os.environ.items() if k != "ATTNRES_CPU_CACHE_MB"}
-    env["PYTHONPATH"] = os.pathsep.join([str(tests), str(tests.parent)])
-    if cache_mb is not None:
-        env["ATTNRES_CPU_CACHE_MB"] = cache_mb
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and "checked" in result.stdout, result.stderr
+    call = f"check_large_outputs_on_page_boundaries(expect_reuse={cache_mb is None})"
+    run_check_in_subprocess("test_cpu_op", call, {"ATTNRES_CPU_CACHE_MB": cache_mb})
 
 
 @pytest.mark.parametrize("q", [2, 3])
