@@ -73,17 +73,12 @@ def test_mixed_dtypes_match_reference(mix):
     compare_step("cuda", inputs)
 
 
-def test_widest_row_matches_the_cpu_op():
-    """D = 4096 (the kernels' limit: 512 threads × 2 groups of 4 fp32), two rows, vs the C++ CPU op."""
+def test_widest_row_matches_reference():
+    """D = 4096 (the kernels' limit: 512 threads × 2 groups of 4 fp32), two rows, by the same rule
+    against the fp64 oracle as the narrow rows (a direct fp32 comparison with the C++ CPU op, which
+    sums 4096 elements in another order, flaked at a gradient element near 0)."""
     inputs = make_step((2,), 4096, torch.float32, torch.float32, torch.float32, out_norm=True)
-    out_weights = [torch.randn(2, 4096, dtype=torch.float64), torch.randn(2, 4096, dtype=torch.float64)]
-    got = step_with_grads(stepper("cuda", return_lse=False), inputs, out_weights)
-    want = step_with_grads(stepper("cpu", return_lse=False), inputs, out_weights)
-    # Two fp32 implementations summing rows of 4096 in different orders: a gradient element near 0 can
-    # differ by ~1e-4 relative (seen: 2.4e-5 absolute at a random seed), far below a wrong formula's error.
-    for a, b in zip(got[0] + got[1], want[0] + want[1]):
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=5e-5)
+    compare_step("cuda", inputs, return_lse=False)
     assert {"block_step_fwd<float, G=4, K=2>", "block_step_bwd<float, G=4, K=2>[norm]"} <= set(kernels_run())
 
 
