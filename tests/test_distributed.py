@@ -195,6 +195,7 @@ def test_torchrun(tmp_path):
     """The script under ``torchrun --nproc-per-node 2`` (env:// rendezvous on a free port)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    env["TMPDIR"] = str(tmp_path)  # torchrun's agent leaves a torchelastic_* folder in the temporary directory
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
     command += [str(root / "tests" / "distributed_script.py"), "--out", str(tmp_path), "--cases", TORCHRUN_CASE]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TORCHRUN_TIMEOUT_S)

@@ -27,6 +27,7 @@ def run(out: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
     """The entry point alone (``nproc=1``) or under ``torchrun --nproc-per-node nproc``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env["OMP_NUM_THREADS"] = "1"
+    env["TMPDIR"] = str(out.parent)  # torchrun's agent leaves a torchelastic_* folder in the temporary directory
     command = [sys.executable, "-m"]
     if nproc > 1:
         command += ["torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
