@@ -118,7 +118,9 @@ def spawn_ranks(worker, world: int, args: tuple, timeout_s: float) -> None:
 def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) -> None:
     """Runs ``module.call`` (a check function of a test module, which raises on failure) in a fresh
     Python process whose environment is this one's with ``env`` applied (None unsets a variable):
-    for settings the native ops read once per process. Fails the test unless the check passed."""
+    for settings the native ops read once per process, seeded with this test's seed (a fresh
+    process's torch seed is random, so a failure could not be replayed). Fails the test unless
+    the check passed."""
     tests = Path(__file__).resolve().parent
     child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
     for name, value in env.items():
@@ -126,6 +128,6 @@ def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) 
             child_env.pop(name, None)
         else:
             child_env[name] = value
-    code = f"import {module}; {module}.{call}; print('checked')"
+    code = f"import torch, {module}; torch.manual_seed({torch.initial_seed()}); {module}.{call}; print('checked')"
     result = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr
