@@ -8,9 +8,10 @@ over N ∈ {3, 9, 17, 33} sources, D ∈ {256, 1024, 4096}, rows ∈ {4096, 1638
 fp32 and bf16. The op's forward is timed with reused outputs (the op keeps the
 buffers of freed outputs: what a training loop sees after its first step) and
 with fresh ones (that cache emptied before every call: new pages that fault on
-first touch), interleaved call by call with a ``copy_`` of the same bytes into
-a reused buffer and a ``clone`` (a fresh one), and reported as GB/s with the
-median and spread of every timing. Small reads (the demo's sizes) get their
+first touch), each alternated call by call with a reference of the same
+bytes (reused outputs with a ``copy_`` into a reused buffer, fresh ones with
+a ``clone``), and reported as GB/s with the median and spread of every
+timing. Small reads (the demo's sizes) get their
 per-call times: the raw ops, the public function and ``read_unchecked``.
 Cases whose tensors would not fit in memory are skipped and listed as such.
 
@@ -91,11 +92,17 @@ def bench_read(n, rows, dim, dtype, compiled_reference):
     with torch.no_grad():
         sources, query, norm_weight = make_read_inputs(n, rows, dim, dtype, requires_grad=False)
         fwd = lambda: cpu(query, sources, norm_weight)
-        times = interleaved(
-            {"copy": copy, "clone": clone, "cpu_fwd": fwd, "cpu_fwd_fresh": fwd},
-            min_rounds=2 * runs,
-            min_seconds=1.0,
-            setups={"cpu_fwd_fresh": empty_output_cache},
+        # Two pairs, each alternated call by call: a call right after the clone (which maps, faults
+        # and unmaps 5 outputs' worth of fresh pages) ran 10-15 % slower than after the op or a copy_,
+        # whichever function it was, so each function follows only its own pair's partner.
+        times = interleaved({"copy": copy, "cpu_fwd": fwd}, min_rounds=2 * runs, min_seconds=1.0)
+        times.update(
+            interleaved(
+                {"clone": clone, "cpu_fwd_fresh": fwd},
+                min_rounds=2 * runs,
+                min_seconds=1.0,
+                setups={"cpu_fwd_fresh": empty_output_cache},
+            )
         )
         if fp32_bytes <= REFERENCE_BUDGET:
             for name, read in (("reference", reference_read), ("compiled", compiled_reference)):
@@ -297,7 +304,9 @@ def read_report_lines(reads, small_reads, backward=None):
         "`reused`: the op's outputs reuse the buffers of freed ones (the op keeps them; what a training loop "
         "sees after its first step); `fresh`: that cache emptied before every call, so every output page "
         "faults on first touch. `copy_`: the same number of bytes copied into a reused buffer; `clone`: into "
-        "a fresh one. These four are timed call by call in turn; times are medians with [min–max] over the runs. "
+        "a fresh one. The op with reused outputs alternates call by call with `copy_`, with fresh outputs with "
+        "`clone` (a call right after a `clone` ran 10-15 % slower, whatever it was); times are medians with "
+        "[min–max] over the runs. "
         "`× eager` / `× compile`: forward speedup of the op (reused) over the eager reference and over "
         "`torch.compile` of it (stack + RMSNorm + softmax + einsum; their outputs come from PyTorch's allocator). "
         "`—`: not run (the reference's stacked copies would not fit in memory).",
