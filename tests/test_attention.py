@@ -576,6 +576,24 @@ def test_bad_input_raises_before_any_kernel(no_kernel, backend, make, kwargs, er
             ak.attention(q, k, v, backend=backend, **kwargs)
 
 
+# The bad calls ak.attention hands to the C++ op unchecked: plain CPU tensors, q 4-D with a head size it takes.
+OP_CHECKED_BAD_CALLS = [
+    c for c in BAD_CALLS if attention_ops._plain_cpu_call(*c[1]()[:3], c[2].get("key_padding_mask"))
+]
+
+
+@pytest.mark.parametrize(
+    "make,kwargs", [c[1:3] for c in OP_CHECKED_BAD_CALLS], ids=[c[0] for c in OP_CHECKED_BAD_CALLS]
+)
+def test_bad_calls_the_public_function_hands_to_the_cpu_op_are_rejected_by_it(make, kwargs):
+    """``ak.attention`` sends plain CPU tensors to the C++ op without the Python checks (they only word
+    the error afterwards): every such bad call must make the op itself raise, before its kernel."""
+    q, k, v = make()
+    scale = kwargs.get("scale", q.shape[3] ** -0.5)
+    with pytest.raises((RuntimeError, TypeError)):
+        torch.ops.attnres.attn_fwd.default(q, k, v, kwargs.get("key_padding_mask"), True, scale)
+
+
 def test_cpu_op_checks_its_arguments():
     """The C++ op called directly (no Python validation) still rejects bad input."""
     q, k, v = _qkv()
