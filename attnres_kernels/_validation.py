@@ -321,9 +321,10 @@ def check_prefix(args: DepthReadArgs, prefix_out: Tensor, prefix_lse: Tensor) ->
 def check_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Tensor | None, scale: float | None) -> float:
     """Checks the arguments of an attention call (DESIGN.md §2.4); returns the scale.
 
-    Runs before every decode step's attention (a few µs of kernel): the common case is
-    one pass of cheap comparisons, each tensor property read once; the messages come
-    from the slower look at what failed."""
+    The common case is one pass of cheap comparisons, each tensor property read once;
+    the messages come from the slower look at what failed. (Plain CPU tensors skip it:
+    the C++ op checks them itself, and this runs only to word the error of a call the
+    op rejected.)"""
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor):
