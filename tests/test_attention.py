@@ -15,6 +15,7 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels import ops, reference
+from attnres_kernels.reference.ops import attention_mask
 
 from support import (
     assert_close_to_oracle,
@@ -80,11 +81,7 @@ def flash_backward_at_same_precision(q, k, v, causal, mask, scale, weights):
     qf = q.to(acc)
     kf, vf = (x.to(acc).repeat_interleave(group, dim=1) for x in (k, v))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    tq, tk = q.shape[2], k.shape[2]
-    allowed = torch.ones(tq, tk, dtype=torch.bool)
-    if causal:
-        allowed = torch.arange(tk)[None, :] <= torch.arange(tq)[:, None] + (tk - tq)
-    allowed = allowed[None, None] & (mask[:, None, None, :] if mask is not None else True)
+    allowed = attention_mask(q.shape[2], k.shape[2], causal, mask, q.device)  # the reference's visibility
     s = (qf @ kf.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows that see no key: P = 0
