@@ -315,7 +315,7 @@ def test_cpu_bitwise_deterministic_across_runs_and_thread_counts(dtype, batch, h
 # ---------------------------------------------------------------- the CPU decode path
 #
 # A few query rows per kv head (G · Tq <= 16, attention_cpu.cpp's decode_forward) against
-# many keys: each kv head's rows read its keys once, key spans of 256 merged by their lse.
+# many keys: each kv head's rows read its keys once, key spans of 512 merged by their lse.
 
 DECODE_EVENT = "attnres::attn_fwd_decode"  # recorded by the C++ decode path (seen by the profiler)
 
@@ -329,10 +329,10 @@ def decode_qkv(batch, heads, kv_heads, tq, tk, dh, dtype):
 
 
 DECODE_CASES = {  # tq, tk, heads, kv_heads, dh
-    "one-query-3-spans": (1, 700, 2, 2, 64),
+    "one-query-3-spans": (1, 1100, 2, 2, 64),
     "gqa4-2-spans": (1, 513, 8, 2, 80),
     "odd-dh": (3, 300, 2, 1, 7),
-    "16-rows-5-spans": (4, 1030, 4, 1, 48),
+    "16-rows-5-spans": (4, 2100, 4, 1, 48),
     "chunk-dh96": (2, 64, 2, 2, 96),
     "one-key": (1, 1, 2, 1, 16),
     "rows-without-keys": (4, 2, 2, 2, 32),  # causal: queries 0-1 see no key
@@ -364,7 +364,7 @@ def test_cpu_decode_bitwise_across_runs_and_thread_counts(dtype, tq, heads, kv_h
     """Key spans are fixed by Tk and merged in one order: 1 and 2 threads give the same bits."""
     q, k, v = decode_qkv(3, heads, kv_heads, tq, 1300, dh, dtype)
     mask = torch.rand(3, 1300) > 0.2
-    mask[1, 256:] = False  # batch 1 sees the first span only
+    mask[1, 512:] = False  # batch 1 sees the first span only
     previous = torch.get_num_threads()
     try:
         results = []
@@ -393,7 +393,7 @@ def test_cpu_decode_long_cache_matches_reference():
 def test_cpu_decode_nan_propagates_like_the_reference():
     q, k, v = decode_qkv(1, 4, 2, 2, 600, 16, torch.float32)
     q[0, 0, 1, 3] = float("nan")  # one query row
-    k[0, 1, 500, 0] = float("nan")  # one key in the second kv head's last span: heads 2-3 read it
+    k[0, 1, 550, 0] = float("nan")  # one key in the second kv head's last span: heads 2-3 read it
     out, lse = ak.attention(q, k, v, return_lse=True)
     expected, expected_lse = reference.attention(q, k, v, return_lse=True)
     assert torch.equal(torch.isnan(out), torch.isnan(expected)) and bool(torch.isnan(out[0, 2:]).all())
@@ -455,8 +455,8 @@ def test_cpu_decode_gradcheck_fp64():
     """Decode shapes (one or two queries, GQA, keys over two spans, padding) through the
     decode forward and the tile backward."""
     q = torch.randn(1, 4, 2, 3, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(1, 2, 260, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    mask = torch.rand(1, 260) > 0.3
+    k, v = (torch.randn(1, 2, 520, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    mask = torch.rand(1, 520) > 0.3
 
     def fn(q, k, v):
         return ak.attention(q, k, v, key_padding_mask=mask, return_lse=True)
