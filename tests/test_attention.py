@@ -402,39 +402,56 @@ def test_cpu_decode_nan_propagates_like_the_reference():
 
 
 BF16_DOT_EVENT = "attnres::attn_fwd_decode_bf16_dot"  # bf16 decode scores by vdpbf16ps
+AMX_SCORES_EVENT = "attnres::attn_fwd_decode_amx_scores"  # bf16 decode scores on AMX tiles
 
 
-def machine_takes_bf16_dot() -> bool:
-    """Whether this machine's build takes the bf16 decode scores with AVX512-BF16: the CPU has it
-    and the build targets AVX-512 (setup.py builds for the build machine unless
-    ATTNRES_CPU_CAPABILITY asks for less), unless ATTNRES_CPU_AVX512_BF16=0 turns it off."""
+def machine_takes(flags_needed: set[str], env_off: str) -> bool:
+    """Whether this machine's build takes a path that needs these CPU flags: the CPU has them and
+    the build targets AVX-512 (setup.py builds for the build machine unless ATTNRES_CPU_CAPABILITY
+    asks for less), unless the environment variable ``env_off`` is 0."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = set(f.read().split())
     except OSError:
         return False
     return (
-        "avx512_bf16" in flags
+        flags_needed <= flags
         and os.environ.get("ATTNRES_CPU_CAPABILITY", "auto") in ("auto", "avx512")
-        and os.environ.get("ATTNRES_CPU_AVX512_BF16") != "0"
+        and os.environ.get(env_off) != "0"
     )
+
+
+def machine_takes_bf16_dot() -> bool:
+    return machine_takes({"avx512_bf16"}, "ATTNRES_CPU_AVX512_BF16")
+
+
+def machine_takes_amx() -> bool:
+    return machine_takes({"amx_bf16", "amx_tile"}, "ATTNRES_CPU_AMX")
 
 
 def check_bf16_decode_scores():
     """bf16 decode steps read in place (1-4 query rows per kv head; whole 32-column blocks,
     a last 16-column one, or both; groups of 16 keys and the keys after them; a scale that
     is not a power of 2) against the reference, forward and backward, and NaN propagation;
-    the scores are taken with AVX512-BF16 exactly when the machine has it."""
+    2-4 rows with Dh a multiple of 32 take AMX tiles exactly when the machine has them, the
+    others AVX512-BF16 exactly when it has that."""
     for tq, tk, heads, kv_heads, dh, scale in [
         (1, 700, 8, 8, 64, None),
         (1, 300, 8, 2, 80, 0.3),
         (2, 37, 4, 2, 16, None),
         (1, 513, 2, 1, 48, 0.7),
+        (1, 530, 8, 2, 64, None),
+        (3, 77, 3, 3, 128, 0.3),
+        (2, 20, 2, 2, 32, None),
+        (1, 16, 4, 2, 256, 0.7),
     ]:
         q, k, v = decode_qkv(2, heads, kv_heads, tq, tk, dh, torch.bfloat16)
         mask = make_mask(2, tk)
         events = attnres_ops_called(lambda: ak.attention(q, k, v, key_padding_mask=mask, scale=scale))
-        assert DECODE_EVENT in events and (BF16_DOT_EVENT in events) == machine_takes_bf16_dot(), events
+        rows = heads // kv_heads * tq
+        amx = machine_takes_amx() and rows >= 2 and dh % 32 == 0
+        assert DECODE_EVENT in events and (AMX_SCORES_EVENT in events) == amx, events
+        assert (BF16_DOT_EVENT in events) == (machine_takes_bf16_dot() and not amx), events
         compare("cpu", q, k, v, True, mask, scale=scale)
     q, k, v = decode_qkv(1, 2, 1, 1, 300, 64, torch.bfloat16)
     k[0, 0, 20, 5] = float("nan")
@@ -449,6 +466,12 @@ def test_cpu_decode_bf16_scores_without_avx512_bf16():
     """The same with ATTNRES_CPU_AVX512_BF16=0 (read once per process: a subprocess), the
     path of CPUs without AVX512-BF16."""
     run_check_in_subprocess("test_attention", "check_bf16_decode_scores()", {"ATTNRES_CPU_AVX512_BF16": "0"})
+
+
+def test_cpu_decode_bf16_scores_without_amx():
+    """The same with ATTNRES_CPU_AMX=0: the path of CPUs without AMX (vdpbf16ps for every
+    case on a CPU with AVX512-BF16)."""
+    run_check_in_subprocess("test_attention", "check_bf16_decode_scores()", {"ATTNRES_CPU_AMX": "0"})
 
 
 def test_cpu_decode_gradcheck_fp64():

@@ -29,6 +29,7 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
@@ -37,6 +38,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -675,6 +678,106 @@ __attribute__((target("avx512bf16"), noinline)) void decode_scores16_bf16_dot(co
 #pragma GCC unroll 16
   for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
 }
+
+// Whether the bf16 decode scores take AMX tiles: the CPU has AMX-BF16 and the OS grants this
+// process the tile state (at::cpu::init_amx asks for it), asked once per process.
+// ATTNRES_CPU_AMX=0 turns their use off (the tests run both paths on a machine that has it).
+bool use_amx_bf16() {
+  static const bool use = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("ATTNRES_CPU_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && at::cpu::init_amx();
+  }();
+  return use;
+}
+
+// The scores of R <= 4 bf16 query rows against 16 keys at a time on AMX tiles (Dh a multiple of 32),
+// as Sᵀ = K Qᵀ: tile 1 holds 32 columns of the 16 key rows, read in place (the A operand: one key
+// per tile row); tile 2 the same 32 columns of the R query rows as 16 column pairs x R rows (the B
+// operand in AMX's pair layout, packed once per program by amx_query_pairs); tile 0 sums the 16 x R
+// products over the Dh / 32 column steps in fp32 (TDPBF16PS: bf16 products exact in fp32, subnormal
+// bf16 as 0, as vdpbf16ps). Against vdpbf16ps, the step's per-key sums of 16 lanes and their
+// shuffle-and-add tree are gone, and one tile product serves all R rows. Taken for 2-4 rows (grouped
+// query heads, or a few queries): 1 thread, B = 1, 8 query heads, Dh = 64, SDPA / ours, 4 rows (2 kv
+// heads) 1.43-1.51 -> 1.92-2.37 and 2 rows 1.23-1.31 -> 1.50-1.77 at 512-2048 keys, the same at 4 x
+// 2048 keys from memory; one row (a kv head per query head) was as fast or slower (0.94-1.00 vs
+// 1.02-1.06 at 4 x 2048 keys): it keeps vdpbf16ps.
+struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};  // bytes per row of each tile
+  uint8_t rows[16] = {};
+};
+
+// LDTILECFG with the whole 64-byte config as its memory operand: GCC 12's _tile_loadconfig names only
+// the first 8 bytes, and the stores of the tile shapes were dropped as dead.
+__attribute__((target("amx-tile"), noinline)) void amx_load_tile_config(const AmxTileConfig* config) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(*config));
+}
+
+__attribute__((target("amx-tile"), noinline)) void amx_release_tiles() { _tile_release(); }
+
+// Configures this thread's tiles for the scores of `rows` query rows while it lives (a decode program's
+// body), then releases them, so that the OS need not save the tile state of a thread that is done.
+class AmxScoreTiles {
+ public:
+  explicit AmxScoreTiles(int64_t rows) {
+    AmxTileConfig config;
+    const auto set = [&](int tile, int64_t tile_rows, int64_t bytes) {
+      config.rows[tile] = static_cast<uint8_t>(tile_rows);
+      config.colsb[tile] = static_cast<uint16_t>(bytes);
+    };
+    set(0, 16, rows * 4);  // Sᵀ: 16 keys x R fp32 sums
+    set(1, 16, 64);        // 16 keys x 32 bf16 columns
+    set(2, 16, rows * 4);  // 16 column pairs x R query rows
+    amx_load_tile_config(&config);
+  }
+  ~AmxScoreTiles() { amx_release_tiles(); }
+  AmxScoreTiles(const AmxScoreTiles&) = delete;
+  AmxScoreTiles& operator=(const AmxScoreTiles&) = delete;
+};
+
+// Query row r of R into the B operand of decode_scores16_amx: pairs[P · R + r] = columns (2P, 2P + 1)
+// of the row (raw bf16, unscaled), P < cols / 2.
+inline void amx_query_pairs(const c10::BFloat16* q_row, int64_t r, int64_t rows, int64_t cols, uint32_t* pairs) {
+  for (int64_t pair = 0; pair < cols / 2; ++pair) std::memcpy(pairs + pair * rows + r, q_row + 2 * pair, 4);
+}
+
+// s[r · lds + j] = scale · <q_r, x_j> for the R query rows packed in `pairs` and the 16 key rows
+// x_j = x + j · ld (cols a multiple of 32), with this thread's tiles set by AmxScoreTiles(R).
+template <int R>
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void decode_scores16_amx(const c10::BFloat16* x, int64_t ld,
+                                                                                const uint32_t* pairs, int64_t cols,
+                                                                                float scale, float* s, int64_t lds) {
+  alignas(64) float sums[64];  // sums[j · R + r]
+  _tile_zero(0);
+  for (int64_t d = 0; d < cols; d += 32) {
+    _tile_loadd(1, x + d, ld * int64_t(sizeof(c10::BFloat16)));
+    _tile_loadd(2, pairs + d / 2 * R, R * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, sums, R * 4);
+  // Row r's 16 sums are every R-th value from r: lanes from the first two and the last two vectors.
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 b0 = _mm512_load_ps(sums);
+  if constexpr (R == 1) {
+    _mm512_storeu_ps(s, _mm512_mul_ps(b0, scale_v));
+  } else {
+    const __m512 b1 = _mm512_load_ps(sums + 16);
+    const __m512 b2 = R > 2 ? _mm512_load_ps(sums + 32) : b0;
+    const __m512 b3 = R > 3 ? _mm512_load_ps(sums + 48) : b2;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(R)), _mm512_set1_epi32(r));
+      const __m512 low = _mm512_permutex2var_ps(b0, index, b1), high = _mm512_permutex2var_ps(b2, index, b3);
+      const __mmask16 from_high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(32));
+      _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(_mm512_mask_blend_ps(from_high, low, high), scale_v));
+    }
+  }
+}
 #endif
 
 // acc_r[0:NB·2W] += Σ_j p_r[j] · rows[j · ld + (0:NB·2W)] over j < n for RB rows (acc_r = acc + r · lda,
@@ -739,7 +842,9 @@ inline void decode_gather(T* acc, int64_t lda, const T* p, int64_t ldp, const Sr
 // max and sum; `cols` columns are read (Dh, or Dh padded when packed). With
 // `bf16_dot` (bf16 rows read in place on a CPU with AVX512-BF16) the scores of
 // whole groups of 16 keys come from decode_scores16_bf16_dot: q_bf16 holds the raw
-// query rows (`cols` each) and `scale` multiplies their sums. kbuf, vbuf: a chunk's
+// query rows (`cols` each) and `scale` multiplies their sums; with `amx` (the same rows
+// with Dh a multiple of 32, on a CPU with AMX-BF16) from decode_scores16_amx, the same
+// buffer holding amx_query_pairs' layout (q_pairs). kbuf, vbuf: a chunk's
 // keys and values packed as T rows (`packed` only); tmp: one row of dhp values.
 // The buffers lie in a per-thread scratch kept from call to call: a decode step is a
 // few µs of work, and allocating and freeing its nine buffers on every call cost
@@ -748,13 +853,14 @@ template <typename T>
 struct DecodeRows {
   T *q, *acc, *s, *m, *l, *kbuf, *vbuf, *tmp;
   c10::BFloat16* q_bf16;
-  bool bf16_dot;
+  uint32_t* q_pairs;
+  bool bf16_dot, amx;
   T scale;
-  DecodeRows(int64_t rows, int64_t dhp, int64_t cols, bool bf16_dot, bool packed, T scale)
-      : bf16_dot(bf16_dot), scale(scale) {
+  DecodeRows(int64_t rows, int64_t dhp, int64_t cols, bool bf16_dot, bool amx, bool packed, T scale)
+      : bf16_dot(bf16_dot), amx(amx), scale(scale) {
     const int64_t chunk_values = packed ? kDecodeChunk * dhp : 0;
     const int64_t bf16_values =
-        bf16_dot ? ceil_div(rows * cols * int64_t(sizeof(c10::BFloat16)), int64_t(sizeof(T))) : 0;
+        bf16_dot || amx ? ceil_div(rows * cols * int64_t(sizeof(c10::BFloat16)), int64_t(sizeof(T))) : 0;
     T** buffers[] = {&q, &acc, &s, &m, &l, &kbuf, &vbuf, &tmp};
     const int64_t sizes[] = {rows * dhp, rows * dhp, rows * kDecodeChunk, rows, rows, chunk_values, chunk_values, dhp};
     int64_t total = round_up(bf16_values, kAlign);
@@ -767,6 +873,7 @@ struct DecodeRows {
       next += round_up(sizes[i], kAlign);
     }
     q_bf16 = reinterpret_cast<c10::BFloat16*>(next);
+    q_pairs = reinterpret_cast<uint32_t*>(next);
   }
 };
 
@@ -778,25 +885,43 @@ inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int6
                          const T* bias, bool prefetch) {
   constexpr int64_t C = kDecodeChunk;
   // Scores.
-  for (int64_t r0 = 0; r0 < rows;) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // The next chunk's keys and values j0 + C .. j0 + C + count (a prefetch never faults).
+  const auto prefetch_next = [&](int64_t j0, int64_t count) {
+    for (int64_t jj = j0 + C; jj < j0 + C + count; ++jj) {
+      for (int64_t d = 0; d < cols; d += 64 / int64_t(sizeof(Src))) {
+        __builtin_prefetch(k_rows + jj * k_ld + d);
+        __builtin_prefetch(v_rows + jj * v_ld + d);
+      }
+    }
+  };
+  if constexpr (std::is_same_v<Src, c10::BFloat16>) {
+    if (st.amx) {  // every row against 16 keys at a time, the keys after the last 16 one by one
+      int64_t j = 0;
+      for (; j + 16 <= n; j += 16) {
+        if (prefetch) prefetch_next(j, 16);
+        const auto scores = rows == 4   ? decode_scores16_amx<4>
+                            : rows == 3 ? decode_scores16_amx<3>
+                            : rows == 2 ? decode_scores16_amx<2>
+                                        : decode_scores16_amx<1>;
+        scores(k_rows + j * k_ld, k_ld, st.q_pairs, cols, st.scale, st.s + j, C);
+      }
+      for (; j < n; ++j)
+        for (int64_t r = 0; r < rows; ++r) st.s[r * C + j] = decode_dot(st.q + r * dhp, k_rows + j * k_ld, cols);
+    }
+  }
+#endif
+  for (int64_t r0 = 0; r0 < rows && !st.amx;) {
     const int64_t rb = rows - r0 >= 4 ? 4 : rows - r0 >= 2 ? 2 : 1;
     const T* q = st.q + r0 * dhp;
     T* s = st.s + r0 * C;
     int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (kScores16<T>) {
-      constexpr int64_t kLine = 64 / sizeof(Src);
       const int64_t kb = 16 / rb;
       for (; j + kb <= n; j += kb) {
         const Src* x = k_rows + j * k_ld;
-        if (prefetch && r0 == 0) {  // the next chunk's keys and values (a prefetch never faults)
-          for (int64_t jj = j + C; jj < j + C + kb; ++jj) {
-            for (int64_t d = 0; d < cols; d += kLine) {
-              __builtin_prefetch(k_rows + jj * k_ld + d);
-              __builtin_prefetch(v_rows + jj * v_ld + d);
-            }
-          }
-        }
+        if (prefetch && r0 == 0) prefetch_next(j, kb);
         if constexpr (std::is_same_v<Src, c10::BFloat16>) {
           if (st.bf16_dot) {
             const c10::BFloat16* qs = st.q_bf16 + r0 * cols;
@@ -870,14 +995,18 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows);
   const bool permuted = whole && RowLoad<scalar_t, T>::kPermuted;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && in_place && use_avx512_bf16();
+  const bool bf16_rows = std::is_same_v<scalar_t, c10::BFloat16> && in_place;
+  const bool amx = bf16_rows && rows >= 2 && dh % 32 == 0 && use_amx_bf16();
+  const bool bf16_dot = bf16_rows && !amx && use_avx512_bf16();
 #else
-  const bool bf16_dot = false;
+  const bool amx = false, bf16_dot = false;
 #endif
-  std::optional<at::RecordFunction> bf16_dot_event;  // tells the tests which scores ran
-  if (bf16_dot && decode_event.isActive()) {
-    bf16_dot_event.emplace(at::RecordScope::FUNCTION);
-    if (bf16_dot_event->isActive()) bf16_dot_event->before("attnres::attn_fwd_decode_bf16_dot");
+  std::optional<at::RecordFunction> scores_event;  // tells the tests which scores ran
+  if ((bf16_dot || amx) && decode_event.isActive()) {
+    scores_event.emplace(at::RecordScope::FUNCTION);
+    if (scores_event->isActive()) {
+      scores_event->before(amx ? "attnres::attn_fwd_decode_amx_scores" : "attnres::attn_fwd_decode_bf16_dot");
+    }
   }
   const int64_t cols = whole ? dh : dhp;
   const int64_t kv_bytes = 2 * units * p.tk * dh * static_cast<int64_t>(sizeof(scalar_t));
@@ -921,13 +1050,20 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const int64_t item_work = std::min(kv_len, kDecodeSplit) * rows * dh;
   const int64_t grain = std::max<int64_t>(1, ceil_div(kDecodeGrain, std::max<int64_t>(item_work, 1)));
   at::parallel_for(0, units * splits, grain, [&](int64_t begin, int64_t end) {
-    DecodeRows<T> st(rows, dhp, cols, bf16_dot, !in_place, scale);
+    DecodeRows<T> st(rows, dhp, cols, bf16_dot, amx, !in_place, scale);
+#if defined(CPU_CAPABILITY_AVX512)
+    std::optional<AmxScoreTiles> tiles;
+    if (amx) tiles.emplace(rows);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t unit = item / splits, split = item % splits, b = unit / p.kv_heads, hk = unit % p.kv_heads;
       for (int64_t r = 0; r < rows; ++r) {
         const scalar_t* q_row = Q.row(b, hk * p.group + r / p.tq, r % p.tq);
         if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
           if (bf16_dot) std::copy(q_row, q_row + dh, st.q_bf16 + r * cols);
+#if defined(CPU_CAPABILITY_AVX512)
+          if (amx) amx_query_pairs(q_row, r, rows, cols, st.q_pairs);
+#endif
         }
         load_row(q_row, dh, scale, st.tmp, dhp);
         T* qr = st.q + r * dhp;
