@@ -451,7 +451,8 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // vector. Rows are read in place in their own dtype when they are whole vectors
 // (converted to fp32 as they are loaded); with more than kDecodeDirectRows
 // query rows, half/bf16 rows are converted once per chunk into a buffer
-// instead. Programs of one kv head that got different spans write their (max,
+// instead, unless the bf16 scores take AMX tiles (decode_scores16_amx: all
+// rows at once, keys read in place). Programs of one kv head that got different spans write their (max,
 // sum, accumulator), and a second pass merges them by their max in ascending
 // span order. The spans depend on Tk alone, so the result does not depend on the
 // number of threads; a kv head whose keys fit one span writes its output
@@ -692,7 +693,7 @@ bool use_amx_bf16() {
   return use;
 }
 
-// The scores of R <= 4 bf16 query rows against 16 keys at a time on AMX tiles (Dh a multiple of 32),
+// The scores of R <= 16 bf16 query rows against 16 keys at a time on AMX tiles (Dh a multiple of 32),
 // as Sᵀ = K Qᵀ: tile 1 holds 32 columns of the 16 key rows, read in place (the A operand: one key
 // per tile row); tile 2 the same 32 columns of the R query rows as 16 column pairs x R rows (the B
 // operand in AMX's pair layout, packed once per program by amx_query_pairs); tile 0 sums the 16 x R
@@ -702,7 +703,8 @@ bool use_amx_bf16() {
 // query heads, or a few queries): 1 thread, B = 1, 8 query heads, Dh = 64, SDPA / ours, 4 rows (2 kv
 // heads) 1.43-1.51 -> 1.92-2.37 and 2 rows 1.23-1.31 -> 1.50-1.77 at 512-2048 keys, the same at 4 x
 // 2048 keys from memory; one row (a kv head per query head) was as fast or slower (0.94-1.00 vs
-// 1.02-1.06 at 4 x 2048 keys): it keeps vdpbf16ps.
+// 1.02-1.06 at 4 x 2048 keys): it keeps vdpbf16ps. With AMX, bf16 keys and values are read in place
+// for any number of rows (more than kDecodeDirectRows otherwise take fp32 copies of every chunk).
 struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -745,36 +747,86 @@ inline void amx_query_pairs(const c10::BFloat16* q_row, int64_t r, int64_t rows,
   for (int64_t pair = 0; pair < cols / 2; ++pair) std::memcpy(pairs + pair * rows + r, q_row + 2 * pair, 4);
 }
 
-// s[r · lds + j] = scale · <q_r, x_j> for the R query rows packed in `pairs` and the 16 key rows
+// Tile 0 = Σ over the column steps of (tile 1: 32 columns of the 16 key rows x + j · ld) x (tile 2: the
+// same columns of the `rows` query rows in `pairs`), cols a multiple of 32.
+__attribute__((target("amx-tile,amx-bf16"), always_inline)) inline void amx_score_tile(const c10::BFloat16* x,
+                                                                                       int64_t ld,
+                                                                                       const uint32_t* pairs,
+                                                                                       int64_t rows, int64_t cols) {
+  _tile_zero(0);
+  for (int64_t d = 0; d < cols; d += 32) {
+    _tile_loadd(1, x + d, ld * int64_t(sizeof(c10::BFloat16)));
+    _tile_loadd(2, pairs + d / 2 * rows, rows * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+}
+
+// s[r · lds + j] = scale · <q_r, x_j> for the R (2-4) query rows packed in `pairs` and the 16 key rows
 // x_j = x + j · ld (cols a multiple of 32), with this thread's tiles set by AmxScoreTiles(R).
 template <int R>
 __attribute__((target("amx-tile,amx-bf16"), noinline)) void decode_scores16_amx(const c10::BFloat16* x, int64_t ld,
                                                                                 const uint32_t* pairs, int64_t cols,
                                                                                 float scale, float* s, int64_t lds) {
-  alignas(64) float sums[64];  // sums[j · R + r]
-  _tile_zero(0);
-  for (int64_t d = 0; d < cols; d += 32) {
-    _tile_loadd(1, x + d, ld * int64_t(sizeof(c10::BFloat16)));
-    _tile_loadd(2, pairs + d / 2 * R, R * 4);
-    _tile_dpbf16ps(0, 1, 2);
-  }
+  static_assert(R >= 2 && R <= 4);
+  alignas(64) float sums[16 * R];  // sums[j · R + r]
+  amx_score_tile(x, ld, pairs, R, cols);
   _tile_stored(0, sums, R * 4);
   // Row r's 16 sums are every R-th value from r: lanes from the first two and the last two vectors.
   const __m512 scale_v = _mm512_set1_ps(scale);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512 b0 = _mm512_load_ps(sums);
-  if constexpr (R == 1) {
-    _mm512_storeu_ps(s, _mm512_mul_ps(b0, scale_v));
-  } else {
-    const __m512 b1 = _mm512_load_ps(sums + 16);
-    const __m512 b2 = R > 2 ? _mm512_load_ps(sums + 32) : b0;
-    const __m512 b3 = R > 3 ? _mm512_load_ps(sums + 48) : b2;
+  const __m512 b0 = _mm512_load_ps(sums), b1 = _mm512_load_ps(sums + 16);
+  const __m512 b2 = R > 2 ? _mm512_load_ps(sums + 32) : b0;
+  const __m512 b3 = R > 3 ? _mm512_load_ps(sums + 48) : b2;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(R)), _mm512_set1_epi32(r));
-      const __m512 low = _mm512_permutex2var_ps(b0, index, b1), high = _mm512_permutex2var_ps(b2, index, b3);
-      const __mmask16 from_high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(32));
-      _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(_mm512_mask_blend_ps(from_high, low, high), scale_v));
+  for (int r = 0; r < R; ++r) {
+    const __m512i index = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32(R)), _mm512_set1_epi32(r));
+    const __m512 low = _mm512_permutex2var_ps(b0, index, b1), high = _mm512_permutex2var_ps(b2, index, b3);
+    const __mmask16 from_high = _mm512_cmpge_epi32_mask(index, _mm512_set1_epi32(32));
+    _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(_mm512_mask_blend_ps(from_high, low, high), scale_v));
+  }
+}
+
+// decode_scores16_amx for 5-16 rows: the 16 x rows sums stored as rows of 16 floats (`sums`, 256
+// floats, initialized by the caller: the columns from `rows` on are left as they were) and transposed
+// in registers, 64 shuffles per 16 keys: pairs of keys interleaved within each 128-bit lane, then
+// quads, then the four quads of each lane brought together.
+__attribute__((target("amx-tile,amx-bf16"), noinline)) void decode_scores16_amx_wide(const c10::BFloat16* x, int64_t ld,
+                                                                                     const uint32_t* pairs,
+                                                                                     int64_t rows, int64_t cols,
+                                                                                     float scale, float* sums, float* s,
+                                                                                     int64_t lds) {
+  amx_score_tile(x, ld, pairs, rows, cols);
+  _tile_stored(0, sums, 64);
+  __m512 a[16], t[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_loadu_ps(sums + 16 * j);  // a[j], lane r: key j, query row r
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < 4; ++g) {
+    const __m512d lo = _mm512_castps_pd(t[4 * g]), hi = _mm512_castps_pd(t[4 * g + 1]);
+    const __m512d lo2 = _mm512_castps_pd(t[4 * g + 2]), hi2 = _mm512_castps_pd(t[4 * g + 3]);
+    a[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo, lo2));
+    a[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo, lo2));
+    a[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi, hi2));
+    a[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi, hi2));
+  }
+  // a[4g + c], lane L: keys 4g..4g+3 at row 4L + c. Gather the four key groups of each lane.
+  const __m512 scale_v = _mm512_set1_ps(scale);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {
+    const __m512 p0 = _mm512_shuffle_f32x4(a[c], a[4 + c], 0x44), p1 = _mm512_shuffle_f32x4(a[c], a[4 + c], 0xee);
+    const __m512 q0 = _mm512_shuffle_f32x4(a[8 + c], a[12 + c], 0x44);
+    const __m512 q1 = _mm512_shuffle_f32x4(a[8 + c], a[12 + c], 0xee);
+    const __m512 row[4] = {_mm512_shuffle_f32x4(p0, q0, 0x88), _mm512_shuffle_f32x4(p0, q0, 0xdd),
+                           _mm512_shuffle_f32x4(p1, q1, 0x88), _mm512_shuffle_f32x4(p1, q1, 0xdd)};
+#pragma GCC unroll 4
+    for (int lane = 0; lane < 4; ++lane) {
+      const int64_t r = 4 * lane + c;
+      if (r < rows) _mm512_storeu_ps(s + r * lds, _mm512_mul_ps(row[lane], scale_v));
     }
   }
 }
@@ -854,6 +906,7 @@ struct DecodeRows {
   T *q, *acc, *s, *m, *l, *kbuf, *vbuf, *tmp;
   c10::BFloat16* q_bf16;
   uint32_t* q_pairs;
+  T* amx_sums;  // 16 x 16 floats for decode_scores16_amx_wide
   bool bf16_dot, amx;
   T scale;
   DecodeRows(int64_t rows, int64_t dhp, int64_t cols, bool bf16_dot, bool amx, bool packed, T scale)
@@ -861,14 +914,15 @@ struct DecodeRows {
     const int64_t chunk_values = packed ? kDecodeChunk * dhp : 0;
     const int64_t bf16_values =
         bf16_dot || amx ? ceil_div(rows * cols * int64_t(sizeof(c10::BFloat16)), int64_t(sizeof(T))) : 0;
-    T** buffers[] = {&q, &acc, &s, &m, &l, &kbuf, &vbuf, &tmp};
-    const int64_t sizes[] = {rows * dhp, rows * dhp, rows * kDecodeChunk, rows, rows, chunk_values, chunk_values, dhp};
+    T** buffers[] = {&q, &acc, &s, &m, &l, &kbuf, &vbuf, &tmp, &amx_sums};
+    const int64_t sizes[] = {rows * dhp,   rows * dhp, rows * kDecodeChunk, rows, rows, chunk_values,
+                             chunk_values, dhp,        amx ? 256 : 0};
     int64_t total = round_up(bf16_values, kAlign);
     for (const int64_t n : sizes) total += round_up(n, kAlign);  // each one padded to kAlign values
     static thread_local std::vector<T> scratch;
     if (static_cast<int64_t>(scratch.size()) < total) scratch.resize(total);
     T* next = scratch.data();
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < 9; ++i) {
       *buffers[i] = next;
       next += round_up(sizes[i], kAlign);
     }
@@ -900,11 +954,15 @@ inline void decode_chunk(const Problem& p, DecodeRows<T>& st, int64_t rows, int6
       int64_t j = 0;
       for (; j + 16 <= n; j += 16) {
         if (prefetch) prefetch_next(j, 16);
-        const auto scores = rows == 4   ? decode_scores16_amx<4>
-                            : rows == 3 ? decode_scores16_amx<3>
-                            : rows == 2 ? decode_scores16_amx<2>
-                                        : decode_scores16_amx<1>;
-        scores(k_rows + j * k_ld, k_ld, st.q_pairs, cols, st.scale, st.s + j, C);
+        const c10::BFloat16* x = k_rows + j * k_ld;
+        if (rows > 4) {
+          decode_scores16_amx_wide(x, k_ld, st.q_pairs, rows, cols, st.scale, st.amx_sums, st.s + j, C);
+        } else {
+          const auto scores = rows == 4   ? decode_scores16_amx<4>
+                              : rows == 3 ? decode_scores16_amx<3>
+                                          : decode_scores16_amx<2>;
+          scores(x, k_ld, st.q_pairs, cols, st.scale, st.s + j, C);
+        }
       }
       for (; j < n; ++j)
         for (int64_t r = 0; r < rows; ++r) st.s[r * C + j] = decode_dot(st.q + r * dhp, k_rows + j * k_ld, cols);
@@ -989,17 +1047,20 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const int64_t kv_len = p.key_end(p.tq - 1);  // no query sees a key beyond
   const int64_t splits = std::max<int64_t>(ceil_div(kv_len, kDecodeSplit), 1), units = p.batch * p.kv_heads;
   // How key/value rows are read: in place as scalar_t (whole vectors; fp32/fp64 always, half/bf16 with
-  // few query rows), else packed per chunk into T rows (converted by RowLoad when whole vectors, so in
-  // the same order, else zero-padded to dhp in element order).
+  // few query rows, bf16 whose scores take AMX tiles), else packed per chunk into T rows (converted by RowLoad when
+  // whole vectors, so in the same order, else zero-padded to dhp in element order).
   const bool whole = dh % W == 0;
-  const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows);
+#if defined(CPU_CAPABILITY_AVX512)
+  const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && rows >= 2 && dh % 32 == 0 && use_amx_bf16();
+#else
+  const bool amx = false;
+#endif
+  const bool in_place = whole && (std::is_same_v<scalar_t, T> || rows <= kDecodeDirectRows || amx);
   const bool permuted = whole && RowLoad<scalar_t, T>::kPermuted;
 #if defined(CPU_CAPABILITY_AVX512)
-  const bool bf16_rows = std::is_same_v<scalar_t, c10::BFloat16> && in_place;
-  const bool amx = bf16_rows && rows >= 2 && dh % 32 == 0 && use_amx_bf16();
-  const bool bf16_dot = bf16_rows && !amx && use_avx512_bf16();
+  const bool bf16_dot = std::is_same_v<scalar_t, c10::BFloat16> && in_place && !amx && use_avx512_bf16();
 #else
-  const bool amx = false, bf16_dot = false;
+  const bool bf16_dot = false;
 #endif
   std::optional<at::RecordFunction> scores_event;  // tells the tests which scores ran
   if ((bf16_dot || amx) && decode_event.isActive()) {
