@@ -11,7 +11,9 @@ with fresh ones (that cache emptied before every call: new pages that fault on
 first touch), each alternated call by call with a reference of the same
 bytes (reused outputs with a ``copy_`` into a reused buffer, fresh ones with
 a ``clone``), and reported as GB/s with the median and spread of every
-timing. Small reads (the demo's sizes) get their
+timing. The backward alone is timed against a copy of its floor's bytes over
+the same N at the target's rows and D (one and three sites, with and without
+the output norm). Small reads (the demo's sizes) get their
 per-call times: the raw ops, the public function and ``read_unchecked``.
 Cases whose tensors would not fit in memory are skipped and listed as such.
 
@@ -362,7 +364,8 @@ def read_report_lines(reads, small_reads, backward=None):
             "",
             "The backward alone (`torch.autograd.grad` on a saved forward, outputs reused), timed call by call in "
             "turn with a `copy_` into a reused buffer of as many bytes as its floor: the N sources and the Q "
-            "output gradients read, the N source gradients written. Milliseconds: median [min–max].",
+            "output gradients read, the N source gradients written. Milliseconds: median [min–max]. Each N at "
+            "the target case's rows and D.",
             "",
             "| dtype | N | rows | D | sites | out norm | backward ms [min–max] | GB/s | copy_ GB/s | % of copy_ |",
             "|---|---|---|---|---|---|---|---|---|---|",
@@ -464,7 +467,11 @@ def main(argv=None):
     reads = {}
     for dt, n, rows, dim in tqdm(cases, desc="depth read", unit="case"):
         reads[(dt, n, rows, dim)] = bench_read(n, rows, dim, DTYPES[dt], compiled_reference)
-    backward = {(dt, *TARGET[1:]): bench_backward(*TARGET[1:], DTYPES[dt]) for dt in ("fp32", "bf16")}
+    backward = {
+        (dt, n, *TARGET[2:]): bench_backward(n, *TARGET[2:], DTYPES[dt])
+        for dt in ("fp32", "bf16")
+        for n in tqdm(COUNTS, desc=f"backward {dt}", unit="N")
+    }
     small_reads = bench_small_reads()
     models = [] if args.quick or args.reads_only else bench_models()
     meta["load_after"] = load_average()
