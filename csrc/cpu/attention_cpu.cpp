@@ -452,9 +452,9 @@ void attention_forward(const Problem& p, const at::Tensor& q, const at::Tensor& 
 // (converted to fp32 as they are loaded); with more than kDecodeDirectRows
 // query rows, half/bf16 rows are converted once per chunk into a buffer
 // instead, unless the bf16 scores take AMX tiles (decode_scores16_amx: all
-// rows at once, keys read in place). Programs of one kv head that got different spans write their (max,
-// sum, accumulator), and a second pass merges them by their max in ascending
-// span order. The spans depend on Tk alone, so the result does not depend on the
+// rows at once, keys read in place). Programs of one kv head that got
+// different spans write their (max, sum, accumulator), and a second pass
+// merges them by their max in ascending span order. The spans depend on Tk alone, so the result does not depend on the
 // number of threads; a kv head whose keys fit one span writes its output
 // directly. The saved lse and output are those of the tile path, so the
 // backward (tiles, below) serves both.
@@ -699,12 +699,12 @@ bool use_amx_bf16() {
 // operand in AMX's pair layout, packed once per program by amx_query_pairs); tile 0 sums the 16 x R
 // products over the Dh / 32 column steps in fp32 (TDPBF16PS: bf16 products exact in fp32, subnormal
 // bf16 as 0, as vdpbf16ps). Against vdpbf16ps, the step's per-key sums of 16 lanes and their
-// shuffle-and-add tree are gone, and one tile product serves all R rows. Taken for 2-4 rows (grouped
-// query heads, or a few queries): 1 thread, B = 1, 8 query heads, Dh = 64, SDPA / ours, 4 rows (2 kv
-// heads) 1.43-1.51 -> 1.92-2.37 and 2 rows 1.23-1.31 -> 1.50-1.77 at 512-2048 keys, the same at 4 x
-// 2048 keys from memory; one row (a kv head per query head) was as fast or slower (0.94-1.00 vs
-// 1.02-1.06 at 4 x 2048 keys): it keeps vdpbf16ps. With AMX, bf16 keys and values are read in place
-// for any number of rows (more than kDecodeDirectRows otherwise take fp32 copies of every chunk).
+// shuffle-and-add tree are gone, and one tile product serves all R rows. Taken for 2-16 rows (grouped
+// query heads, or a few queries): 1 thread, B = 1, 8 query heads, Dh = 64, SDPA / ours at 512-2048
+// keys, 4 rows (2 kv heads) 1.43-1.51 -> 1.92-2.37, 2 rows 1.23-1.31 -> 1.50-1.77 (the same at 4 x 2048
+// keys from memory), 8 rows 1.22-1.40 -> 1.81-1.95 (their bf16 keys and values read in place instead
+// of fp32 copies of every chunk); one row (a kv head per query head) was as fast or slower (0.94-1.00
+// vs 1.02-1.06 at 4 x 2048 keys): it keeps vdpbf16ps.
 struct alignas(64) AmxTileConfig {  // the 64-byte operand of LDTILECFG (palette 1)
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -1047,8 +1047,8 @@ void decode_forward(const Problem& p, const at::Tensor& q, const at::Tensor& k, 
   const int64_t kv_len = p.key_end(p.tq - 1);  // no query sees a key beyond
   const int64_t splits = std::max<int64_t>(ceil_div(kv_len, kDecodeSplit), 1), units = p.batch * p.kv_heads;
   // How key/value rows are read: in place as scalar_t (whole vectors; fp32/fp64 always, half/bf16 with
-  // few query rows, bf16 whose scores take AMX tiles), else packed per chunk into T rows (converted by RowLoad when
-  // whole vectors, so in the same order, else zero-padded to dhp in element order).
+  // few query rows, bf16 whose scores take AMX tiles), else packed per chunk into T rows (converted by
+  // RowLoad when whole vectors, so in the same order, else zero-padded to dhp in element order).
   const bool whole = dh % W == 0;
 #if defined(CPU_CAPABILITY_AVX512)
   const bool amx = std::is_same_v<scalar_t, c10::BFloat16> && rows >= 2 && dh % 32 == 0 && use_amx_bf16();
