@@ -480,6 +480,18 @@ def test_cpu_decode_bf16_scores_without_amx():
     run_check_in_subprocess("test_attention", "check_bf16_decode_scores()", {"ATTNRES_CPU_AMX": "0"})
 
 
+@pytest.mark.parametrize("group", range(2, 17))
+def test_cpu_decode_bf16_every_group_size(group):
+    """Every count of query rows per kv head the decode path takes (2-16: AMX scores where the
+    machine has them, 4 or 16 rows at a time; vdpbf16ps or fp32 copies elsewhere), over two groups
+    of 16 keys and five keys after them, forward and backward against the reference."""
+    q, k, v = decode_qkv(2, group, 1, 1, 37, 64, torch.bfloat16)
+    mask = make_mask(2, 37)
+    events = attnres_ops_called(lambda: ak.attention(q, k, v, key_padding_mask=mask))
+    assert DECODE_EVENT in events and (AMX_SCORES_EVENT in events) == machine_takes_amx(), events
+    compare("cpu", q, k, v, True, mask, scale=0.3)
+
+
 def test_cpu_decode_gradcheck_fp64():
     """Decode shapes (one or two queries, GQA, keys over two spans, padding) through the
     decode forward and the tile backward."""
