@@ -139,8 +139,11 @@ def test_every_dispatcher_config_respects_the_register_budget():
         for cfg in configs:
             tile_words = cfg.block_q * cfg.block_d * words
             assert tile_words <= launch.MULTI_SITE_TILE or cfg.block_q == 1
-            assert tile_words // (32 * cfg.num_warps) <= 16 and cfg.num_warps <= 16
-            assert cfg.max_registers * 32 * cfg.num_warps <= 65536
+            assert tile_words // (32 * cfg.fwd_warps) <= 32 and cfg.fwd_warps <= 16
+            assert tile_words // (32 * cfg.bwd_warps) <= 16 and cfg.bwd_warps <= 16
+            for backward in (False, True):
+                options = cfg.launch_options(backward)
+                assert options["maxnreg"] * 32 * options["num_warps"] <= 65536
         for d in (d for d in (1, 7, 100, 1000, 2048, 4096) if d <= triton_backend.max_dim(dtype)):
             for q in (1, 2, 3, 8, 13):
                 assert launch.kernel_config(d, q, dtype) in configs

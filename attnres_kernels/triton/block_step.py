@@ -17,7 +17,7 @@ any stride (unit column stride); the outputs are contiguous.
 
 The backward is deterministic: each program sums its ``ROWS`` rows' share of
 ``du`` and ``dg`` into a private partial row, and ``column_sum_kernel`` adds
-the partials in program order. No atomics.
+the partials in a fixed order. No atomics.
 """
 
 from __future__ import annotations
@@ -30,12 +30,10 @@ import triton.language as tl
 from triton.runtime.jit import MockTensor
 
 from . import max_dim
-from .kernels import column_sum_kernel
-from .launch import AotLaunch
+from .launch import AotLaunch, column_sum
 
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
 BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reductions
-COLUMN_SUM_BLOCK = 1024
 
 FWD_SCHEMA = (
     "(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, "
@@ -364,9 +362,9 @@ def block_step_bwd(
             ACC=acc_tl,
             **cfg.launch_options(),
         )
-        _column_sum(du_part, grad_u)
+        column_sum(du_part, grad_u)
         if grad_g is not None:
-            _column_sum(dg_part, grad_g)
+            column_sum(dg_part, grad_g)
     if norm_weight is not None:
         grad_query = (grad_u * norm_weight.to(acc_torch)).to(query.dtype)
         grad_norm = (grad_u * query.to(acc_torch)).to(norm_weight.dtype)
@@ -374,11 +372,6 @@ def block_step_bwd(
         grad_query, grad_norm = grad_u.to(query.dtype), grad_u.new_empty((0,))
     grad_out_norm = grad_g.to(out_norm_weight.dtype) if grad_g is not None else grad_u.new_empty((0,))
     return grad_total, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_out_norm
-
-
-def _column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
-    n_parts, n_cols = part.shape
-    column_sum_kernel[(triton.cdiv(n_cols, COLUMN_SUM_BLOCK),)](part, out, n_parts, n_cols, BLOCK=COLUMN_SUM_BLOCK)
 
 
 # ---------------------------------------------------------------- ahead-of-time check

@@ -26,7 +26,7 @@ MAX_BLOCK_Q = 8
 MULTI_SITE_TILE = 4096  # max [BLOCK_Q, BLOCK_D] elements when BLOCK_Q > 1 (one site may use BLOCK_D = MAX_DIM)
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
 BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reductions
-COLUMN_SUM_BLOCK = 1024
+COLUMN_SUM_PARTS, COLUMN_SUM_COLS = 128, 32  # column_sum_kernel's tile: 32 fp32 columns = one 128-byte line
 # Source dtypes in the kernels' slot order (see kernels.py). Under autocast the fp32 embedding comes
 # first and bf16/fp16 sublayer outputs after it, so the usual lists are already in slot order.
 SLOT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -37,35 +37,38 @@ _SLOT_OF = {dtype: k for k, dtype in enumerate(SLOT_DTYPES)}
 class KernelConfig:
     block_d: int
     block_q: int
-    num_warps: int
+    fwd_warps: int
+    bwd_warps: int
 
-    @property
-    def max_registers(self) -> int:
-        """Per-thread register cap passed to ptxas (``maxnreg``): all the
-        registers an SM can give one program. Without it ptxas picks a lower
-        target on its own and spills a few bytes in the backward."""
-        return min(255, 65536 // (32 * self.num_warps))
-
-    def launch_options(self) -> dict:
-        return dict(num_warps=self.num_warps, maxnreg=self.max_registers)
+    def launch_options(self, backward: bool) -> dict:
+        """Warps of the forward or backward kernel, and a per-thread register cap for ptxas
+        (``maxnreg``): all the registers an SM can give one program. Without the cap ptxas
+        picks a lower target on its own and spills a few bytes in the backward."""
+        warps = self.bwd_warps if backward else self.fwd_warps
+        return dict(num_warps=warps, maxnreg=min(255, 65536 // (32 * warps)))
 
 
 def kernel_config(dim: int, num_queries: int, dtype: torch.dtype) -> KernelConfig:
-    """Tile and warp count for a read of width ``dim`` over ``num_queries`` sites.
+    """Tile and warp counts for a read of width ``dim`` over ``num_queries`` sites.
 
     ``BLOCK_D`` covers the whole row; ``BLOCK_Q`` is the site group (a power of
     two; a group of several sites keeps its tile ≤ ``MULTI_SITE_TILE``
-    registers); one warp per 512 tile registers (16 per thread) up to 16
-    warps. fp64 accumulators take two registers per element. These limits keep
-    every configuration free of register spills on sm_80/sm_90 (see
-    ``python -m attnres_kernels.triton.check``)."""
+    registers). Warps, up to 16: the forward has one per 1024 tile registers
+    (32 per thread), the backward, which keeps more rows live, one per 512 (16
+    per thread); fp64 accumulators take two registers per element. Fewer warps
+    per row leave more rows in flight per SM: on an H100 (bf16, N = 9, M = 8192)
+    the forward took 71 / 82 / 161 µs with 1 / 2 / 8 warps at D = 1024, and
+    298 / 399 µs with 4 / 8 warps at D = 4096. These limits keep every
+    configuration free of register spills on sm_80/sm_90 (see ``python -m
+    attnres_kernels.triton.check``; the forward spills fp32 rows at 64 registers per
+    thread, the backward at 32)."""
     if not 1 <= dim <= max_dim(dtype):
         raise ValueError(f"the Triton depth read supports 1 <= D <= {max_dim(dtype)} for {dtype}, got D = {dim}")
     words = 2 if dtype == torch.float64 else 1
     block_d = max(MIN_BLOCK_D, _next_power_of_2(dim))
     block_q = max(1, min(_next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words)))
-    num_warps = max(1, min(16, block_q * block_d * words // 512))
-    return KernelConfig(block_d, block_q, num_warps)
+    tile = block_q * block_d * words
+    return KernelConfig(block_d, block_q, max(1, min(16, tile // 1024)), max(1, min(16, tile // 512)))
 
 
 def _next_power_of_2(n: int) -> int:
@@ -103,17 +106,17 @@ def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
     tile = dict(BLOCK_Q=cfg.block_q, BLOCK_D=cfg.block_d, ACC=acc_tl, ALIGNED=True)
     m, d, n, nq = 4096, 1024, 9, 2
     bounds = (0, 2, 5, 7, n)
-    label = f"BLOCK_D={cfg.block_d} BLOCK_Q={cfg.block_q} warps={cfg.num_warps}"
+    label = f"BLOCK_D={cfg.block_d} BLOCK_Q={cfg.block_q} warps={cfg.fwd_warps}/{cfg.bwd_warps}"
     yield AotLaunch(
         "depth_attn_fwd",
         label,
         depth_attn_fwd_kernel,
-        [slots, table, table, bounds, acc, out, acc, acc, out, acc, acc, acc, m, d, nq, n * m],
+        [slots, table, table, *bounds[1:], acc, out, acc, acc, out, acc, acc, acc, m, d, nq, n * m],
         dict(EPS=1e-6, OUT_EPS=1e-6, HAS_PREFIX=True, HAS_OUT_NORM=True, NORMALIZE_VALUES=True, **tile),
-        cfg.launch_options(),
+        cfg.launch_options(backward=False),
     )
     for out_norm in (True, False):
-        args = [slots, table, table, slots, table, bounds, out, acc, acc, acc, acc, acc, acc, out, acc, out, acc]
+        args = [slots, table, table, slots, table, *bounds[1:], out, acc, acc, acc, acc, acc, acc, out, acc, out, acc]
         yield AotLaunch(
             f"depth_attn_bwd[out_norm={int(out_norm)}]",
             label,
@@ -130,7 +133,7 @@ def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
                 ROWS=BWD_ROWS,
                 **tile,
             ),
-            cfg.launch_options(),
+            cfg.launch_options(backward=True),
         )
 
 
@@ -143,10 +146,10 @@ def aot_launches(dtype: torch.dtype) -> list:
         launches.append(
             AotLaunch(
                 "column_sum",
-                f"BLOCK={COLUMN_SUM_BLOCK} warps=4",
+                f"BLOCK_PARTS={COLUMN_SUM_PARTS} BLOCK_COLS={COLUMN_SUM_COLS} warps=4",
                 column_sum_kernel,
-                [part, part, 64, 4096],
-                dict(BLOCK=COLUMN_SUM_BLOCK),
+                [part, part, 512, 4096],
+                dict(BLOCK_PARTS=COLUMN_SUM_PARTS, BLOCK_COLS=COLUMN_SUM_COLS),
                 dict(num_warps=4),
             )
         )
@@ -308,7 +311,7 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
             bases,
             table[:n],
             table[n:],
-            layout.bounds,
+            *layout.bounds[1:],
             u[q0:q1],
             prefix_out[q0:q1] if has_prefix else None,
             prefix_lse[q0:q1] if has_prefix else None,
@@ -330,7 +333,7 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
             ALIGNED=_aligned(rows),
-            **cfg.launch_options(),
+            **cfg.launch_options(backward=False),
         )
     if layout.order is not None:  # back to the sources' order
         order = _order_index(layout, first.device)
@@ -339,9 +342,12 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
     return outputs
 
 
-def _column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
+def column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = part.sum(0)`` in a fixed order (see :func:`column_sum_kernel`); ``part`` is contiguous."""
     n_parts, n_cols = part.shape[0], part[0].numel()
-    column_sum_kernel[(triton.cdiv(n_cols, COLUMN_SUM_BLOCK),)](part, out, n_parts, n_cols, BLOCK=COLUMN_SUM_BLOCK)
+    column_sum_kernel[(triton.cdiv(n_cols, COLUMN_SUM_COLS),)](
+        part, out, n_parts, n_cols, BLOCK_PARTS=COLUMN_SUM_PARTS, BLOCK_COLS=COLUMN_SUM_COLS, num_warps=4
+    )
 
 
 def depth_attn_bwd(
@@ -433,7 +439,7 @@ def _depth_attn_bwd_launch(
             table[n : 2 * n],
             grad_bases,
             table[2 * n :],
-            layout.bounds,
+            *layout.bounds[1:],
             dy[q0:q1],
             u[q0:q1],
             g[q0:q1] if has_norm else None,
@@ -463,8 +469,8 @@ def _depth_attn_bwd_launch(
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
             ALIGNED=_aligned(rows) and _aligned(grad_rows),
-            **cfg.launch_options(),
+            **cfg.launch_options(backward=True),
         )
-        _column_sum(du_part, grad_u[q0:q1])
+        column_sum(du_part, grad_u[q0:q1])
         if has_norm:
-            _column_sum(dg_part, grad_g[q0:q1])
+            column_sum(dg_part, grad_g[q0:q1])
