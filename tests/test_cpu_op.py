@@ -90,10 +90,14 @@ def test_compile_fullgraph_nn_model():
     torch.testing.assert_close(compiled(idx), model(idx))
 
 
-def test_build_info_names_the_vector_isa():
+def test_build_info_names_the_vector_isa_and_the_cuda_kernels():
+    from attnres_kernels.ops import _native
+
     info = ak.build_info()
     assert "CPU vector ISA" in info
-    assert torch.ops.attnres.build_info() == info
+    assert info.startswith(torch.ops.attnres.build_info())
+    built = _native.has_kernel("depth_attn_fwd", "cuda")
+    assert info.endswith("CUDA kernels: registered" if built else "CUDA kernels: not built")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, "mixed"])

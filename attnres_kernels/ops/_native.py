@@ -50,6 +50,8 @@ def has_kernel(op: str, device_type: str) -> bool:
 
 
 def build_info() -> str:
+    """What the extension was built with: its CPU vector ISA, and whether it has CUDA kernels."""
     if LOAD_ERROR is not None:
         return f"C++ extension not loaded: {LOAD_ERROR}"
-    return torch.ops.attnres.build_info()
+    cuda = "registered" if any(device == "cuda" for _, device in KERNELS) else "not built"
+    return f"{torch.ops.attnres.build_info()}; CUDA kernels: {cuda}"
