@@ -1,4 +1,4 @@
-"""GPU benchmark of the depth read and of model training steps; writes a Markdown report and JSON.
+"""GPU benchmark of the depth read, attention, the Block step and training steps; writes Markdown and JSON.
 
     python benchmarks/gpu.py [--out benchmarks/results] [--quick] [--rep 100] [--skip-models]
     python benchmarks/gpu.py --dry-run [--out DIR]        # no GPU: exercises the same code on tiny CPU tensors
@@ -21,6 +21,19 @@ a small slack); a failing implementation is marked FAIL in the report. An implem
 is not installed or cannot run a case (no CUDA build of ours yet, a peer's width or dtype limits)
 is listed as skipped with the reason, never as an error; one that raises is listed as an error.
 
+Host vs device (:meth:`Env.split`): for every timed op, the host's cost to issue one call (µs,
+calls not synchronized) and the time of its kernels (``torch.profiler``, CUDA activity), and
+which of the two bounds it; the same per training step. A call whose host cost exceeds its
+kernels' time is host-bound: do_bench then times the Python call path, not the kernels.
+
+Attention: causal ``ak.attention`` on the Triton and CUDA backends against PyTorch's
+``scaled_dot_product_attention`` (B = 4, H = 16, T = 2048, Dh = 64 and 128, bf16), checked by
+the same rule (the same-precision baseline is plain PyTorch attention in bf16, FlashAttention's).
+
+Block step: ``ak.block_step`` (``partial + update`` and the next site's merge read with its
+PreNorm, M = 4 x 2048 rows, D = 1024, bf16, prefix from a read over 4 blocks) on the Triton and
+CUDA backends and the eager reference, outputs and every input gradient checked.
+
 Inkling2: one transformers ``Inkling2BlockAttentionResidual`` (Q = 1 and 3) unpatched and patched by
 ``attnres_kernels.hf.apply_attnres_kernels``, forward + backward time and saved bytes; and an AdamW
 training step of a random bf16 ``Inkling2ForCausalLM`` (``benchmarks/inkling2_model.py``'s model,
@@ -29,7 +42,7 @@ sized up) unpatched, with its reads patched, and with reads and norms fused, wit
 Models: one AdamW training step (bf16 autocast: fp32 parameters and embedding, bf16 sublayers,
 so the depth reads see mixed dtypes) of Standard, Full and Block AttnRes at d=1024, L=12,
 T=1024 on the fused kernels (``backend="auto"``) and on the reference depth read, with the peak
-memory of the step.
+memory of the step and its device time (profiler over 2 steps).
 
 ``--dry-run`` runs the same code paths on tiny CPU tensors: Triton under its interpreter
 (``TRITON_INTERPRET=1``), a ``perf_counter`` timer instead of ``do_bench``, ``torch.compile``
@@ -41,6 +54,7 @@ Without ``--out`` a dry run prints its report and writes no file.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import math
@@ -57,6 +71,8 @@ if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -72,6 +88,21 @@ ERROR_FACTOR = 3.0
 
 
 # ---------------------------------------------------------------- environment
+
+
+@dataclass(frozen=True)
+class Split:
+    """The cost of one call on each side: the host's time to issue it and its kernels' time."""
+
+    host_us: float
+    device_ms: float | None  # None without CUDA (a dry run)
+
+    @property
+    def bound_by(self) -> str:
+        """``host`` when issuing the call takes longer than running its kernels, else ``device``."""
+        if self.device_ms is None:
+            return "–"
+        return "host" if self.host_us > self.device_ms * 1e3 else "device"
 
 
 @dataclass
@@ -96,6 +127,32 @@ class Env:
             times.append((time.perf_counter() - start) * 1e3)
         times.sort()
         return statistics.median(times), times[0], times[-1]
+
+    def split(self, fn: Callable, calls: int = 10) -> Split:
+        """Host µs and device ms per call of ``fn`` (after one warm-up call). The host time is that of
+        ``calls`` calls issued without synchronizing: the cost of the Python call path and the launches,
+        which is the wall time whenever the device runs ahead of the host. The device time is the
+        kernels' time summed by the profiler over ``calls`` more calls. A dry run makes one call of each
+        and measures no device time."""
+        calls = 1 if self.dry_run else calls
+        fn()
+        self.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_us = (time.perf_counter() - start) / calls * 1e6
+        self.synchronize()
+        if self.device.type != "cuda":
+            return Split(host_us, None)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        device_us = 0.0
+        for event in prof.key_averages():
+            self_us = getattr(event, "self_device_time_total", None)  # older torch: self_cuda_time_total
+            device_us += event.self_cuda_time_total if self_us is None else self_us
+        return Split(host_us, device_us / calls / 1e3)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -187,6 +244,21 @@ class Skip(Exception):
     """An implementation that cannot run this case (not installed, not built, out of its limits)."""
 
 
+def _unavailable_reason(exc: ak.BackendUnavailableError) -> str:
+    """Why a backend cannot run a call, without the "backend 'x' cannot run this call: " preamble."""
+    return str(exc).split(": ", 1)[-1]
+
+
+def _failure_status(exc: Exception) -> str:
+    """A row's status after ``exc``: a backend or package that cannot run is skipped with its reason;
+    anything else is an error, reported so that the other rows still run."""
+    if isinstance(exc, Skip):
+        return f"skipped: {exc}"
+    if isinstance(exc, ak.BackendUnavailableError):
+        return f"skipped: {_unavailable_reason(exc)}"
+    return f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 @dataclass
 class Impl:
     """A depth-read implementation: ``read(sources, w, gamma) -> [Q?, ..., D]`` (differentiable)."""
@@ -202,7 +274,7 @@ def _ours(backend: str):
         try:
             ak.ops.resolve_backend(backend, env.device, case.dim, case.dtype)
         except ak.BackendUnavailableError as exc:
-            raise Skip(str(exc).split(": ", 1)[-1]) from None
+            raise Skip(_unavailable_reason(exc)) from None
         return lambda sources, w, gamma: ak.depth_attention(w, sources, gamma, eps=EPS, backend=backend)
 
     return make
@@ -335,18 +407,41 @@ class Accuracy:
     reference_errors: dict  # the same for the eager reference in the input precision
 
 
-def check_accuracy(read: Callable, case: ReadCase, inputs, oracle: dict, same_precision: dict) -> Accuracy:
-    got = run_with_grads(read, *inputs)
+def compare_to_oracle(got: dict, oracle: dict, same_precision: dict, dtype: torch.dtype) -> Accuracy:
+    """FlashAttention's rule on every named output and gradient: error against the fp32 ``oracle`` at most
+    :data:`ERROR_FACTOR` times that of ``same_precision`` plus :data:`SLACK` of ``dtype`` (the inputs')."""
     errors, reference_errors, ok = {}, {}, True
     for name, want in oracle.items():
         scale = want.abs().max().item()
         err = (got[name].float() - want).abs().max().item()
         base = (same_precision[name].float() - want).abs().max().item()
-        slack = SLACK.get(case.dtype, 1e-5) * (1.0 + scale)
+        slack = SLACK.get(dtype, 1e-5) * (1.0 + scale)
         ok = ok and got[name].shape == want.shape and err <= ERROR_FACTOR * base + slack
         errors[name] = err / max(scale, 1e-30)
         reference_errors[name] = base / max(scale, 1e-30)
     return Accuracy(ok, errors, reference_errors)
+
+
+def check_accuracy(read: Callable, case: ReadCase, inputs, oracle: dict, same_precision: dict) -> Accuracy:
+    return compare_to_oracle(run_with_grads(read, *inputs), oracle, same_precision, case.dtype)
+
+
+def outputs_and_grads(fn: Callable, inputs: dict, grad_outputs: dict, dtype=None) -> dict:
+    """The outputs of ``fn(**inputs)`` (one tensor or a tuple, named as ``grad_outputs``) and the
+    gradients ``d_<input>`` of every input (zeros for an input ``fn`` ignores), with the inputs cast to
+    ``dtype``."""
+    leaves = {name: x.detach().to(dtype or x.dtype).requires_grad_() for name, x in inputs.items()}
+    outs = _as_tuple(fn(**leaves))
+    grads = [g.to(out.dtype) for g, out in zip(grad_outputs.values(), outs)]
+    grads = torch.autograd.grad(outs, list(leaves.values()), grads, allow_unused=True)
+    result = {name: out.detach() for name, out in zip(grad_outputs, outs)}
+    for (name, x), grad in zip(leaves.items(), grads):
+        result[f"d_{name}"] = torch.zeros_like(x) if grad is None else grad
+    return result
+
+
+def _as_tuple(outputs) -> tuple:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
 # ---------------------------------------------------------------- depth-read benchmark
@@ -354,6 +449,8 @@ def check_accuracy(read: Callable, case: ReadCase, inputs, oracle: dict, same_pr
 
 @dataclass
 class Row:
+    """One implementation on one case of the depth read, attention or the Block step (no GB/s for the last two)."""
+
     case: str
     impl: str
     kind: str
@@ -363,6 +460,20 @@ class Row:
     fwd_gbps: float | None = None
     fwd_bwd_gbps: float | None = None
     accuracy: dict = field(default_factory=dict)
+    fwd_split: Split | None = None
+    fwd_bwd_split: Split | None = None
+
+    def record_accuracy(self, accuracy: Accuracy) -> None:
+        self.accuracy = {"errors": accuracy.errors, "reference_errors": accuracy.reference_errors}
+        self.status = "ok" if accuracy.ok else "FAIL"
+
+    def measure(self, env: Env, forward: Callable, forward_backward: Callable) -> None:
+        """do_bench times and host/device splits of ``forward`` (run under no_grad) and ``forward_backward``."""
+        with torch.no_grad():
+            self.fwd_ms = env.timer(forward)
+            self.fwd_split = env.split(forward)
+        self.fwd_bwd_ms = env.timer(forward_backward)
+        self.fwd_bwd_split = env.split(forward_backward)
 
 
 def bench_case(case: ReadCase, env: Env, impls: list) -> tuple:
@@ -381,27 +492,156 @@ def bench_case(case: ReadCase, env: Env, impls: list) -> tuple:
         row = Row(case.label, impl.name, impl.kind, "ok")
         try:
             read = impl.make(case, env)
-            accuracy = check_accuracy(read, case, inputs, oracle, same_precision)
-            row.accuracy = {"errors": accuracy.errors, "reference_errors": accuracy.reference_errors}
-            row.status = "ok" if accuracy.ok else "FAIL"
+            row.record_accuracy(check_accuracy(read, case, inputs, oracle, same_precision))
             leaves = _leaves(sources, w, gamma)
-            with torch.no_grad():
-                row.fwd_ms = env.timer(lambda: read(*leaves))
 
             def fwd_bwd():
                 out = read(*leaves)
                 return torch.autograd.grad(out, [*leaves[0], leaves[1], leaves[2]], grad_out.to(out.dtype))
 
-            row.fwd_bwd_ms = env.timer(fwd_bwd)
+            row.measure(env, lambda: read(*leaves), fwd_bwd)
             row.fwd_gbps = case.floor_bytes(False) / row.fwd_ms[0] / 1e6
             row.fwd_bwd_gbps = case.floor_bytes(True) / row.fwd_bwd_ms[0] / 1e6
-        except Skip as exc:
-            row.status = f"skipped: {exc}"
-        except Exception as exc:  # a peer that breaks must not stop the benchmark: reported as an error
-            row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        except Exception as exc:  # a peer that breaks must not stop the benchmark
+            row.status = _failure_status(exc)
         rows.append(row)
         env.synchronize()
     return rows, copy_gbps
+
+
+# ---------------------------------------------------------------- attention and the Block step
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """An implementation of attention or of the Block step: ``fn(**inputs)``, differentiable."""
+
+    name: str
+    kind: str  # "ours" or "baseline"
+    fn: Callable
+
+
+def bench_op(
+    label: str,
+    impls: list,
+    inputs: dict,
+    grad_outputs: dict,
+    oracle: Callable,
+    same_precision: Callable,
+    dtype: torch.dtype,
+    env: Env,
+) -> list:
+    """Checks, then times, each implementation on ``inputs`` (named tensors): its outputs and the
+    gradients of every input against ``oracle`` run on fp32 copies, by the rule of
+    :func:`compare_to_oracle` with ``same_precision`` run on the inputs (of ``dtype``) as the baseline."""
+    want = outputs_and_grads(oracle, inputs, grad_outputs, torch.float32)
+    baseline = outputs_and_grads(same_precision, inputs, grad_outputs)
+    rows = []
+    for impl in impls:
+        row = Row(label, impl.name, impl.kind, "ok")
+        try:
+            got = outputs_and_grads(impl.fn, inputs, grad_outputs)
+            row.record_accuracy(compare_to_oracle(got, want, baseline, dtype))
+            leaves = {name: x.detach().requires_grad_() for name, x in inputs.items()}
+
+            def fwd_bwd():
+                outs = _as_tuple(impl.fn(**leaves))
+                grads = [g.to(o.dtype) for g, o in zip(grad_outputs.values(), outs)]
+                return torch.autograd.grad(outs, list(leaves.values()), grads, allow_unused=True)
+
+            row.measure(env, lambda: impl.fn(**leaves), fwd_bwd)
+        except Exception as exc:  # a backend that is not built is skipped; one that breaks is an error
+            row.status = _failure_status(exc)
+        rows.append(row)
+        env.synchronize()
+    return rows
+
+
+def _eager_attention(q, k, v):
+    """Causal attention in plain PyTorch ops in the inputs' dtype, the same-precision baseline of
+    FlashAttention's tests. (``reference.attention`` computes in fp32 and rounds once; the kernels,
+    like this, round the probabilities to the input dtype for their P·V product.)"""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    hidden = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(hidden, float("-inf")).softmax(-1) @ v
+
+
+ATTENTION_IMPLS = [
+    OpImpl("triton (ours)", "ours", lambda q, k, v: ak.attention(q, k, v, causal=True, backend="triton")),
+    OpImpl("cuda (ours)", "ours", lambda q, k, v: ak.attention(q, k, v, causal=True, backend="cuda")),
+    OpImpl("torch SDPA", "baseline", lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+]
+
+
+def bench_attention(env: Env) -> dict:
+    """Causal attention, q, k, v ``[B, H, T, Dh]``, per head size: ``{label: rows}``."""
+    dtype = torch.bfloat16
+    shapes = [(1, 2, 8, 16)] if env.dry_run else [(4, 16, 2048, head_dim) for head_dim in (64, 128)]
+    results = {}
+    for batch, heads, seq, head_dim in shapes:
+        label = f"B={batch} H={heads} T={seq} Dh={head_dim} causal {str(dtype).removeprefix('torch.')}"
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, grad_out = (
+            torch.randn(batch, heads, seq, head_dim, generator=gen).to(env.device, dtype) for _ in range(4)
+        )
+        inputs, grad_outputs = {"q": q, "k": k, "v": v}, {"out": grad_out}
+        oracle = functools.partial(reference.attention, causal=True)
+        results[label] = bench_op(label, ATTENTION_IMPLS, inputs, grad_outputs, oracle, _eager_attention, dtype, env)
+    return results
+
+
+def _block_step(backend: str) -> Callable:
+    """``ak.block_step`` on ``backend``, called with the inputs by name."""
+
+    def step(partial, update, query, prefix_out, prefix_lse, norm_weight, out_norm_weight):
+        return ak.block_step(
+            partial,
+            update,
+            query,
+            prefix_out,
+            prefix_lse,
+            norm_weight,
+            eps=EPS,
+            out_norm_weight=out_norm_weight,
+            backend=backend,
+        )
+
+    return step
+
+
+BLOCK_STEP_IMPLS = [
+    OpImpl("triton (ours)", "ours", _block_step("triton")),
+    OpImpl("cuda (ours)", "ours", _block_step("cuda")),
+    OpImpl("reference, eager", "baseline", _block_step("reference")),
+]
+
+
+def bench_block_step(env: Env) -> dict:
+    """The Block step of a site with its PreNorm (``out_norm_weight``), as the Block model runs it:
+    bf16 addends; the prefix ``(out, lse)`` is the site's read over the committed blocks. Returns
+    ``{label: rows}``."""
+    batch, seq, dim, blocks = (1, 4, 16, 4) if env.dry_run else (4, 2048, 1024, 4)
+    dtype = torch.bfloat16
+    label = f"M={batch * seq} D={dim} {str(dtype).removeprefix('torch.')}, prefix over {blocks} blocks"
+    gen = torch.Generator().manual_seed(0)
+    activation = lambda: torch.randn(batch, seq, dim, generator=gen).to(env.device, dtype)
+    site = lambda mean, std: (mean + std * torch.randn(dim, generator=gen)).to(env.device)
+    query, norm_weight, out_norm_weight = site(0.0, 2 / math.sqrt(dim)), site(1.0, 0.1), site(1.0, 0.1)
+    committed = [activation() for _ in range(blocks)]
+    prefix_out, prefix_lse = reference.depth_attention(query, committed, norm_weight, eps=EPS, return_lse=True)
+    inputs = {
+        "partial": activation(),
+        "update": activation(),
+        "query": query,
+        "prefix_out": prefix_out,
+        "prefix_lse": prefix_lse,
+        "norm_weight": norm_weight,
+        "out_norm_weight": out_norm_weight,
+    }
+    grad_outputs = {"new_partial": activation(), "out": activation()}
+    reference_step = _block_step("reference")
+    rows = bench_op(label, BLOCK_STEP_IMPLS, inputs, grad_outputs, reference_step, reference_step, dtype, env)
+    return {label: rows}
 
 
 # ---------------------------------------------------------------- models
@@ -441,6 +681,7 @@ class ModelRow:
     step_ms: tuple | None = None
     tokens_per_s: float | None = None
     peak_mib: float | None = None
+    step_split: Split | None = None
 
 
 def _train_step(name: str, cfg: ModelConfig, backend: str, device: torch.device) -> Callable:
@@ -487,9 +728,10 @@ def bench_models(cfg: ModelConfig, env: Env) -> list:
             row.tokens_per_s = cfg.batch * cfg.seq / row.step_ms[0] * 1e3
             if env.device.type == "cuda":
                 row.peak_mib = torch.cuda.max_memory_allocated(env.device) / 2**20
+            row.step_split = env.split(step, calls=2)
             step = None  # frees the model before the next one is built
         except Exception as exc:  # e.g. out of memory on a small GPU: reported, the rest still runs
-            row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            row.status = _failure_status(exc)
         rows.append(row)
         if env.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -536,7 +778,7 @@ def bench_inkling2_reads(env: Env) -> list:
                     saved = inkling2_read.saved_bytes(module, blocks, partial)
                     setattr(row, f"{name}_saved_mib", saved / 2**20)
             except Exception as exc:  # reported, the rest still runs
-                row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                row.status = _failure_status(exc)
             rows.append(row)
     return rows
 
@@ -548,6 +790,7 @@ class Inkling2StepRow:
     step_ms: tuple | None = None
     peak_mib: float | None = None
     loss: float | None = None
+    step_split: Split | None = None
 
 
 def inkling2_model_args(dry_run: bool):
@@ -595,8 +838,9 @@ def bench_inkling2_model(env: Env) -> tuple:
                 row.step_ms = env.timer(step)
                 if env.device.type == "cuda":
                     row.peak_mib = torch.cuda.max_memory_allocated(env.device) / 2**20
+                row.step_split = env.split(step, calls=2)
             except Exception as exc:  # reported, the other variants still run
-                row.status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                row.status = _failure_status(exc)
             model = opt = step = None  # frees this variant before the next one is loaded
             if env.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -621,6 +865,52 @@ def _ratio(a, b) -> str:
     return "–" if a is None or b is None else f"{b[0] / a[0]:.2f}×"
 
 
+def _error(row: Row) -> str:
+    if not row.accuracy:
+        return "–"
+    return f"{max(row.accuracy['errors'].values()):.1e} ({max(row.accuracy['reference_errors'].values()):.1e})"
+
+
+def _host_us(split: Split | None) -> str:
+    return "–" if split is None else f"{split.host_us:.0f}"
+
+
+def _device_ms(split: Split | None) -> str:
+    return "–" if split is None or split.device_ms is None else f"{split.device_ms:.3f}"
+
+
+def _bound_by(split: Split | None) -> str:
+    return "–" if split is None else split.bound_by
+
+
+SPLIT_COLUMNS = "fwd host µs/call | fwd device ms | fwd+bwd host µs/call | fwd+bwd device ms | bound by"
+
+
+def _split_cells(row: Row) -> str:
+    """The cells of :data:`SPLIT_COLUMNS`; what bounds the row is what bounds its fwd+bwd."""
+    fwd, fwd_bwd = row.fwd_split, row.fwd_bwd_split
+    cells = [_host_us(fwd), _device_ms(fwd), _host_us(fwd_bwd), _device_ms(fwd_bwd), _bound_by(fwd_bwd)]
+    return " | ".join(cells)
+
+
+def _op_table(rows: list, baseline: str, short: str) -> list:
+    """One case of attention or the Block step: times, speed-ups over ``baseline`` (named ``short``
+    in the header), the host/device split and the accuracy."""
+    base = next((r for r in rows if r.impl == baseline and r.fwd_ms), None)
+    lines = [
+        f"| implementation | status | fwd ms | fwd ×{short} | fwd+bwd ms | fwd+bwd ×{short} | {SPLIT_COLUMNS} "
+        "| error (ref) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.impl} | {r.status} | {_ms(r.fwd_ms)} | {_ratio(r.fwd_ms, base.fwd_ms if base else None)} | "
+            f"{_ms(r.fwd_bwd_ms)} | {_ratio(r.fwd_bwd_ms, base.fwd_bwd_ms if base else None)} | {_split_cells(r)} | "
+            f"{_error(r)} |"
+        )
+    return lines
+
+
 def markdown(
     env_info: dict,
     read_rows: list,
@@ -629,6 +919,8 @@ def markdown(
     cfg: ModelConfig | None,
     inkling2_rows: list = (),
     inkling2_step: tuple | None = None,
+    attention_rows: dict | None = None,
+    block_step_rows: dict | None = None,
 ) -> str:
     lines = ["# GPU benchmark" + (" (DRY RUN on CPU: numbers are meaningless)" if env_info["dry_run"] else ""), ""]
     lines += [f"- {k}: {v}" for k, v in env_info.items()]
@@ -643,6 +935,11 @@ def markdown(
         "error / max |oracle| against an fp32 oracle, worst of output and gradients, next to the eager",
         "reference's in the input precision; FAIL = more than 3x the reference's error plus slack.",
         "",
+        "The second table of each case splits the cost of one call: host µs/call is the time the host takes to",
+        "issue it (calls not synchronized); device ms is the time of its kernels (torch.profiler). When the host",
+        "takes longer than the kernels (bound by `host`), the device waits for the host and the ms above time the",
+        "Python call path, not the kernels.",
+        "",
     ]
     for case, rows in read_rows.items():
         eager = next((r for r in rows if r.impl == "reference, eager" and r.fwd_ms), None)
@@ -654,36 +951,63 @@ def markdown(
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in rows:
-            err = "–"
-            if r.accuracy:
-                err = f"{max(r.accuracy['errors'].values()):.1e} ({max(r.accuracy['reference_errors'].values()):.1e})"
             lines.append(
                 f"| {r.impl} | {r.status} | {_ms(r.fwd_ms)} | {_gbps(r.fwd_gbps)} | "
                 f"{_ratio(r.fwd_ms, eager.fwd_ms if eager else None)} | "
                 f"{_ratio(r.fwd_ms, compiled.fwd_ms if compiled else None)} | {_ms(r.fwd_bwd_ms)} | "
                 f"{_gbps(r.fwd_bwd_gbps)} | {_ratio(r.fwd_bwd_ms, eager.fwd_bwd_ms if eager else None)} | "
-                f"{_ratio(r.fwd_bwd_ms, compiled.fwd_bwd_ms if compiled else None)} | {err} |"
+                f"{_ratio(r.fwd_bwd_ms, compiled.fwd_bwd_ms if compiled else None)} | {_error(r)} |"
             )
+        lines += ["", f"| implementation | {SPLIT_COLUMNS} |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r.impl} | {_split_cells(r)} |" for r in rows if r.fwd_split is not None]
         lines.append("")
     lines += ["## How the peers are called", ""]
     lines += [f"- **{name}**: {' '.join(doc.split())}" for name, doc in PEERS.items()]
+    if attention_rows:
+        lines += [
+            "",
+            "## Attention",
+            "",
+            "`ak.attention(q, k, v, causal=True)` on our backends and PyTorch's `scaled_dot_product_attention`",
+            "(cuDNN or FlashAttention on a GPU); q, k, v `[B, H, T, Dh]`. ×SDPA: SDPA's time over the row's (above 1:",
+            "faster than SDPA). Host/device columns as in the depth read. Accuracy as in the depth read, except that",
+            "the same-precision baseline is plain PyTorch attention in the input dtype (FlashAttention's rule).",
+        ]
+        for case, rows in attention_rows.items():
+            lines += ["", f"### {case}", "", *_op_table(rows, "torch SDPA", "SDPA")]
+    if block_step_rows:
+        lines += [
+            "",
+            "## Block step",
+            "",
+            "`ak.block_step`: `partial + update` and the next site's read merged with its phase-1 prefix, PreNorm",
+            "fused (`out_norm_weight`), as the Block model runs it. ×eager: the eager reference's time over the",
+            "row's. Accuracy: outputs (new partial, read) and the gradients of every input, as in the depth read.",
+        ]
+        for case, rows in block_step_rows.items():
+            lines += ["", f"### {case}", "", *_op_table(rows, "reference, eager", "eager")]
     if cfg is not None:
         lines += [
             "",
             "## Training step",
             "",
             f"AdamW step under bf16 autocast: d={cfg.d_model}, L={cfg.layers}, heads={cfg.heads}, T={cfg.seq}, "
-            f"batch {cfg.batch}, vocab {cfg.vocab}, Block with {cfg.layers_per_block} layers per block.",
+            f"batch {cfg.batch}, vocab {cfg.vocab}, Block with {cfg.layers_per_block} layers per block. "
+            "device ms/step: the kernels' time of one step (torch.profiler over 2 steps); bound by `host` when "
+            "issuing a step takes the host longer than that (ms/step then exceeds the device time).",
             "",
-            "| model | depth read | status | ms/step | × Standard | tokens/s | peak MiB |",
-            "|---|---|---|---|---|---|---|",
+            "| model | depth read | status | ms/step | × Standard | tokens/s | peak MiB | device ms/step | bound by |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         standard = next((r for r in model_rows if r.model == "Standard" and r.step_ms), None)
         for r in model_rows:
             ratio = "–" if standard is None or r.step_ms is None else f"{r.step_ms[0] / standard.step_ms[0]:.2f}×"
             peak = "–" if r.peak_mib is None else f"{r.peak_mib:.0f}"
             tps = "–" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}"
-            lines.append(f"| {r.model} | {r.depth_read} | {r.status} | {_ms(r.step_ms)} | {ratio} | {tps} | {peak} |")
+            lines.append(
+                f"| {r.model} | {r.depth_read} | {r.status} | {_ms(r.step_ms)} | {ratio} | {tps} | {peak} | "
+                f"{_device_ms(r.step_split)} | {_bound_by(r.step_split)} |"
+            )
     if inkling2_rows:
         lines += [
             "",
@@ -712,10 +1036,10 @@ def markdown(
             f"{args.hidden}, {args.layers} layers, full attention every 4th, AttnRes blocks of {args.block} layers, "
             f"4 experts top 2), B = {args.batch}, T = {args.tokens}; one AdamW step. `reads`: "
             "`apply_attnres_kernels(model, fuse_norms=False)`; `reads+norms`: the default (reads fused with the "
-            "RMSNorm after each).",
+            "RMSNorm after each). device ms/step and bound by as in the training-step table.",
             "",
-            "| variant | status | ms/step | speedup | peak MiB | first loss |",
-            "|---|---|---|---|---|---|",
+            "| variant | status | ms/step | speedup | peak MiB | first loss | device ms/step | bound by |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         unpatched = next((r for r in step_rows if r.variant == "unpatched" and r.step_ms), None)
         for r in step_rows:
@@ -723,7 +1047,8 @@ def markdown(
             loss = "–" if r.loss is None else f"{r.loss:.4f}"
             lines.append(
                 f"| {r.variant} | {r.status} | {_ms(r.step_ms)} | "
-                f"{_ratio(r.step_ms, unpatched.step_ms if unpatched else None)} | {peak} | {loss} |"
+                f"{_ratio(r.step_ms, unpatched.step_ms if unpatched else None)} | {peak} | {loss} | "
+                f"{_device_ms(r.step_split)} | {_bound_by(r.step_split)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -746,7 +1071,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement, ms")
     parser.add_argument("--skip-models", action="store_true", help="skip the model training-step benchmark")
     parser.add_argument("--model-batch", type=int, default=4)
-    parser.add_argument("--only", nargs="*", default=None, help="run only these implementations (names as listed)")
+    parser.add_argument(
+        "--only", nargs="*", default=None, help="run only these depth-read implementations (names as listed)"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run to exercise the script on CPU", file=sys.stderr)
@@ -766,15 +1093,21 @@ def main(argv=None) -> int:
     read_rows, copies = {}, {}
     for case in tqdm(read_cases(args.dry_run, args.quick), desc="depth read"):
         read_rows[case.label], copies[case.label] = bench_case(case, env, impls)
+    attention_rows = bench_attention(env)
+    block_step_rows = bench_block_step(env)
     cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
     model_rows = bench_models(cfg, env) if cfg is not None else []
     inkling2_rows = bench_inkling2_reads(env)
     inkling2_step = None if args.skip_models else bench_inkling2_model(env)
-    report = markdown(env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step)
+    report = markdown(
+        env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step, attention_rows, block_step_rows
+    )
     result = {
         "environment": env_info,
         "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
         "copy_gbps": copies,
+        "attention": {case: [asdict(r) for r in rows] for case, rows in attention_rows.items()},
+        "block_step": {case: [asdict(r) for r in rows] for case, rows in block_step_rows.items()},
         "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
         "inkling2_reads": [asdict(r) for r in inkling2_rows],
         "inkling2_step": None

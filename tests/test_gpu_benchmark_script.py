@@ -9,11 +9,14 @@ import json
 import math
 import os
 import sys
+import time
 import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import attnres_kernels as ak
 from attnres_kernels import reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,6 +32,28 @@ def gpu():
         yield module
     finally:
         del sys.modules[spec.name]
+
+
+def _assert_host_time_only(split):
+    """A dry run measures the host's cost of a call and no device time."""
+    assert split["host_us"] > 0 and split["device_ms"] is None, split
+
+
+def _assert_op_rows(rows, impls, ran, accuracy_names):
+    """Rows of attention or the Block step: every implementation listed, those in ``ran`` checked and
+    timed, ours on CUDA skipped with the reason."""
+    by_name = {r["impl"]: r for r in rows}
+    assert list(by_name) == [impl.name for impl in impls]
+    for name in ran:
+        row = by_name[name]
+        assert row["status"] == "ok", (name, row["status"])
+        assert all(t > 0 for t in row["fwd_ms"] + row["fwd_bwd_ms"])
+        _assert_host_time_only(row["fwd_split"])
+        _assert_host_time_only(row["fwd_bwd_split"])
+        assert set(row["accuracy"]["errors"]) == accuracy_names
+    cuda = by_name["cuda (ours)"]
+    assert cuda["status"].startswith("skipped: ") and "cuda tensors" in cuda["status"], cuda["status"]
+    assert cuda["fwd_ms"] is None and cuda["fwd_split"] is None
 
 
 def test_dry_run_writes_the_report(gpu, tmp_path):
@@ -47,13 +72,34 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
             assert all(t > 0 for t in row["fwd_ms"] + row["fwd_bwd_ms"])
             assert row["fwd_gbps"] > 0 and row["fwd_bwd_gbps"] > 0
             assert set(row["accuracy"]["errors"]) == {"out", "d_sources", "d_w", "d_gamma"}
-        # Absent backends and packages are skipped with a reason, not errors.
+            _assert_host_time_only(row["fwd_split"])
+            _assert_host_time_only(row["fwd_bwd_split"])
+            assert f"| {name} | {row['fwd_split']['host_us']:.0f} | – |" in report  # its host/device split
+        # Absent backends and packages are skipped with a reason, not errors, and have no split.
         assert by_name["cuda (ours)"]["status"].startswith("skipped: ")
         for impl in gpu.IMPLS:
             if impl.kind == "peer":
                 assert by_name[impl.name]["status"].startswith("skipped: ")
+                assert by_name[impl.name]["fwd_split"] is None
         assert f"### {label}" in report
+    assert report.count(f"| implementation | {gpu.SPLIT_COLUMNS} |") == len(cases)
     assert result["copy_gbps"] and all(v > 0 for v in result["copy_gbps"].values())
+    attention = result["attention"]
+    assert list(attention) == ["B=1 H=2 T=8 Dh=16 causal bfloat16"]
+    for label, rows in attention.items():
+        _assert_op_rows(rows, gpu.ATTENTION_IMPLS, ("triton (ours)", "torch SDPA"), {"out", "d_q", "d_k", "d_v"})
+        assert f"### {label}" in report
+    assert "## Attention" in report and "| fwd ×SDPA |" in report
+    block_step = result["block_step"]
+    assert len(block_step) == 1
+    step_names = {"new_partial", "out"} | {
+        f"d_{name}"
+        for name in ("partial", "update", "query", "prefix_out", "prefix_lse", "norm_weight", "out_norm_weight")
+    }
+    for label, rows in block_step.items():
+        _assert_op_rows(rows, gpu.BLOCK_STEP_IMPLS, ("triton (ours)", "reference, eager"), step_names)
+        assert f"### {label}" in report
+    assert "## Block step" in report and "| fwd ×eager |" in report
     models = result["models"]["rows"]
     assert [(r["model"], r["depth_read"]) for r in models] == [
         ("Standard", "-"),
@@ -65,7 +111,9 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
     for row in models:
         assert row["status"] == "ok", row
         assert row["step_ms"][0] > 0 and row["tokens_per_s"] > 0
+        _assert_host_time_only(row["step_split"])
     assert "## Training step" in report and "## How the peers are called" in report
+    assert "| peak MiB | device ms/step | bound by |" in report
     inkling2 = result["inkling2_reads"]
     assert [(r["queries"], r["partial"]) for r in inkling2] == [
         (1, "bfloat16"),
@@ -83,8 +131,10 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
     for row in step:
         assert row["status"] == "ok", row
         assert row["step_ms"][0] > 0
+        _assert_host_time_only(row["step_split"])
         assert math.isclose(row["loss"], step[0]["loss"], rel_tol=2e-2), (row, step[0])  # bf16 round-off
     assert "## Inkling2 training step, patched vs unpatched" in report
+    assert "| first loss | device ms/step | bound by |" in report
 
 
 def test_without_a_gpu_the_real_run_refuses(gpu, capsys):
@@ -110,6 +160,71 @@ def test_failures_are_reported_per_implementation(gpu):
     assert [r.status.split(":")[0] for r in rows] == ["skipped", "error", "ok"]
     assert rows[0].status == "skipped: not here" and "LinAlgError" in rows[1].status
     assert copy_gbps > 0
+
+
+def test_split_times_the_host_and_names_the_bound(gpu):
+    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    calls = []
+    split = env.split(lambda: calls.append(time.sleep(0.002)))
+    assert len(calls) == 2  # a warm-up call, then (in a dry run) one timed call
+    assert split.host_us >= 2000 and split.device_ms is None and split.bound_by == "–"
+    assert gpu.Split(host_us=500.0, device_ms=0.069).bound_by == "host"
+    assert gpu.Split(host_us=50.0, device_ms=0.069).bound_by == "device"
+
+
+def test_report_shows_each_split_and_what_bounds_it(gpu):
+    """The GPU numbers of the first H100 session, as the report prints them."""
+    label = "N=9 Q=1 M=8192 D=1024 bfloat16"
+    triton = gpu.Row(label, "triton (ours)", "ours", "ok", fwd_split=gpu.Split(360.0, 0.069))
+    triton.fwd_bwd_split = gpu.Split(2400.0, 0.4)
+    cuda = gpu.Row(label, "cuda (ours)", "ours", "ok", fwd_split=gpu.Split(90.0, 0.07))
+    cuda.fwd_bwd_split = gpu.Split(300.0, 0.41)
+    skipped = gpu.Row(label, "fla fused_attnres", "peer", "skipped: fla-core is not installed")
+    step = gpu.ModelRow("Full", "triton", "ok", step_ms=(70.0, 69.0, 71.0), step_split=gpu.Split(70000.0, 31.0))
+    report = gpu.markdown(
+        {"dry_run": False},
+        {label: [triton, cuda, skipped]},
+        {label: 1.0},
+        [step],
+        gpu.model_config(True, 1),
+        attention_rows={"Dh=64": [triton]},
+        block_step_rows={"M=8192": [cuda]},
+    )
+    assert "| triton (ours) | 360 | 0.069 | 2400 | 0.400 | host |" in report
+    assert "| cuda (ours) | 90 | 0.070 | 300 | 0.410 | device |" in report
+    assert "| fla fused_attnres | skipped: fla-core is not installed |" in report
+    assert "| fla fused_attnres | –" not in report  # rows that did not run are left out of the split table
+    assert "| triton (ours) | ok | – | – | – | – | 360 | 0.069 | 2400 | 0.400 | host | – |" in report
+    assert "| cuda (ours) | ok | – | – | – | – | 90 | 0.070 | 300 | 0.410 | device | – |" in report
+    assert "| 31.000 | host |" in report
+
+
+def test_attention_and_block_step_report_each_failure(gpu, monkeypatch):
+    """A backend that is not available is skipped with its reason, a wrong result is a FAIL (still
+    timed), an exception an error; the other rows still run."""
+
+    def unavailable(**inputs):
+        raise ak.BackendUnavailableError("backend 'cuda' cannot run this call: not built here")
+
+    def broken(**inputs):
+        return torch.linalg.inv(torch.zeros(2, 2))
+
+    def without_out_norm(partial, update, query, prefix_out, prefix_lse, norm_weight, out_norm_weight):
+        return ak.block_step(partial, update, query, prefix_out, prefix_lse, norm_weight, backend="reference")
+
+    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    wrong = {
+        "ATTENTION_IMPLS": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),  # not causal
+        "BLOCK_STEP_IMPLS": without_out_norm,
+    }
+    for impls, bench in (("ATTENTION_IMPLS", gpu.bench_attention), ("BLOCK_STEP_IMPLS", gpu.bench_block_step)):
+        right = getattr(gpu, impls)[-1]  # SDPA, the eager Block step
+        tried = [gpu.OpImpl(name, "ours", fn) for name, fn in (("a", unavailable), ("b", wrong[impls]), ("c", broken))]
+        monkeypatch.setattr(gpu, impls, [*tried, right])
+        (rows,) = bench(env).values()
+        assert [r.status.split(":")[0] for r in rows] == ["skipped", "FAIL", "error", "ok"], impls
+        assert rows[0].status == "skipped: not built here" and "LinAlgError" in rows[2].status
+        assert rows[1].fwd_ms is not None and rows[1].fwd_bwd_split is not None
 
 
 def test_accuracy_check_flags_a_wrong_read(gpu):
