@@ -60,8 +60,8 @@ def kernel_config(dim: int, num_queries: int, dtype: torch.dtype) -> KernelConfi
     the forward took 71 / 82 / 161 µs with 1 / 2 / 8 warps at D = 1024, and
     298 / 399 µs with 4 / 8 warps at D = 4096. These limits keep every
     configuration free of register spills on sm_80/sm_90 (see ``python -m
-    attnres_kernels.triton.check``; the forward spills fp32 rows at 64 registers per
-    thread, the backward at 32)."""
+    attnres_kernels.triton.check``; at 64 registers per thread both kernels spill
+    with fp32 rows)."""
     if not 1 <= dim <= max_dim(dtype):
         raise ValueError(f"the Triton depth read supports 1 <= D <= {max_dim(dtype)} for {dtype}, got D = {dim}")
     words = 2 if dtype == torch.float64 else 1
