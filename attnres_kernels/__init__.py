@@ -20,7 +20,10 @@ from .ops import (
     depth_attention,
     depth_attention_merge,
 )
+from .ops._dispatch import register_triton_ops_where_used
 from .ops._native import build_info
+
+register_triton_ops_where_used()
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ import attnres_kernels as ak
 import attnres_kernels.triton as triton_backend
 from attnres_kernels import reference
 
-from support import assert_close_to_oracle, make_sources, site_params
+from support import assert_close_to_oracle, make_sources, run_check_in_subprocess, site_params
 
 pytestmark = pytest.mark.skipif(triton_backend.IMPORT_ERROR is not None, reason="triton is not installed")
 
@@ -180,6 +180,33 @@ def test_gpu_end_to_end_matches_reference(dtype, q, out_norm):
         w.double(), [s.double() for s in sources], g.double(), out_norm_weight=g_out.double() if out_norm else None
     )
     assert_close_to_oracle("out", got, same, oracle)
+
+
+def check_first_call_under_compile():
+    """A read and an attention call whose first Triton call in the process is traced by
+    torch.compile(fullgraph=True), forward and backward, against the same calls run eagerly after."""
+    sources = [s.requires_grad_() for s in make_sources(3, (2, 8), 64, torch.bfloat16)]
+    w, g, _ = (p.requires_grad_() for p in site_params(None, 64))
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+
+    def loss(w, g, q, k, v, *srcs):
+        read = ak.depth_attention(w, list(srcs), g, backend="triton").float().square().sum()
+        return read + ak.attention(q, k, v, backend="triton").square().sum()
+
+    inputs = [w, g, q, k, v, *sources]
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")(*inputs)
+    compiled_grads = torch.autograd.grad(compiled, inputs)
+    eager = loss(*inputs)
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(compiled_grads, torch.autograd.grad(eager, inputs)):
+        torch.testing.assert_close(got, want)
+
+
+def test_first_triton_call_can_be_under_torch_compile():
+    """The Triton ops are registered at import where they may be used (here the interpreter; a CUDA
+    device), so that a model compiled before its first eager call traces them: registered on first
+    use, inside the traced code, they broke the graph."""
+    run_check_in_subprocess("test_triton", "check_first_call_under_compile()", {"TRITON_INTERPRET": "1"})
 
 
 @pytest.mark.cuda

@@ -24,6 +24,7 @@ backend runs.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 
@@ -129,6 +130,25 @@ def fused_op(backend: str, name: str, device: torch.device):
 _triton_ops = None
 
 
+def register_triton_ops_where_used() -> None:
+    """Registers the Triton ops now where ``"auto"`` picks them (a CUDA device) or the interpreter was
+    asked for (``TRITON_INTERPRET=1``), rather than on first use: a model compiled before its first
+    eager call would meet that registration (imports, library definitions) inside the code
+    ``torch.compile`` traces, which it cannot trace."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
+        return
+    from .. import triton as triton_backend
+
+    if triton_backend.IMPORT_ERROR is None:
+        triton_ops()
+
+
+def _has_cpp_autograd(op: str) -> bool:
+    """Whether the C++ extension registered the autograd of ``op`` (csrc/autograd serves the
+    Triton ops it knows, as it serves the native ones: without Python on the autograd path)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op, "Autograd")
+
+
 def triton_ops():
     """``torch.ops.attnres_triton``: the Triton ops, defined on first use by importing
     :mod:`attnres_kernels.triton.ops` (which loads Triton), with their fake kernels and
@@ -136,15 +156,20 @@ def triton_ops():
     global _triton_ops
     if _triton_ops is None:
         from ..triton import ops  # noqa: F401  (defines the attnres_triton ops)
-        from ._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
+        from . import _registration as reg
 
         namespace = torch.ops.attnres_triton
-        register_depth_attn_ops(
-            "attnres_triton::depth_attn_fwd", "attnres_triton::depth_attn_bwd", namespace.depth_attn_bwd.default
-        )
-        register_attention_ops("attnres_triton::attn_fwd", "attnres_triton::attn_bwd", namespace.attn_bwd.default)
-        register_block_step_ops(
-            "attnres_triton::block_step_fwd", "attnres_triton::block_step_bwd", namespace.block_step_bwd.default
-        )
+        # Each op family: its fake kernels, and its autograd in Python only when the C++ extension
+        # (which registers it for these ops too) is not loaded.
+        for family, register_fakes, register_ops in (
+            ("depth_attn", reg.register_depth_attn_fakes, reg.register_depth_attn_ops),
+            ("attn", reg.register_attention_fakes, reg.register_attention_ops),
+            ("block_step", reg.register_block_step_fakes, reg.register_block_step_ops),
+        ):
+            fwd, bwd = f"attnres_triton::{family}_fwd", f"attnres_triton::{family}_bwd"
+            if _has_cpp_autograd(fwd):
+                register_fakes(fwd, bwd)
+            else:
+                register_ops(fwd, bwd, getattr(namespace, f"{family}_bwd").default)
         _triton_ops = namespace
     return _triton_ops

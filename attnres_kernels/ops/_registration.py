@@ -35,8 +35,10 @@ Attention and the Block step follow below, each with its schema.
 Autograd. The C++ ops ``attnres::depth_attn_fwd``, ``attnres::block_step_fwd`` and
 ``attnres::attn_fwd`` have their autograd in C++ (``csrc/autograd``, registered for the Autograd
 dispatch key, serving the CPU and CUDA kernels alike): a Python autograd wrapper
-costs more than the kernels of a small read. Every other forward op (the Triton
-namespace, the emulated CUDA ops) gets the Python autograd below.
+costs more than the kernels of a small read. The extension registers the same autograd
+for the Triton ops (``attnres_triton::*_fwd``, defined in Python with the same schemas), whose
+GPU calls are host-bound. The emulated CUDA ops, and the Triton ops when the extension is not
+loaded, get the Python autograd below.
 
 Higher-order gradients. The fused backward kernels are not themselves
 differentiable. When a backward runs with ``create_graph=True`` (grad mode on

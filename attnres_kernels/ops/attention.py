@@ -27,11 +27,6 @@ if _native.defines("attn_fwd"):
 _CPU_OP = torch.ops.attnres.attn_fwd.default if _native.has_kernel("attn_fwd", "cpu") else None
 
 
-# Whether the Triton backend defines attnres_triton::attn_fwd; looked up on first use
-# (importing the Triton ops loads Triton) and then read as a plain global.
-_triton_defines_attention = None
-
-
 def _plain_cpu_call(q, k, v, key_padding_mask) -> bool:
     """Whether q, k, v (and the mask) are plain CPU tensors and q's head size is one the C++ kernel takes:
     a call the C++ op validates itself (a tensor on another device would dispatch elsewhere)."""
@@ -48,20 +43,10 @@ def _plain_cpu_call(q, k, v, key_padding_mask) -> bool:
     )
 
 
-def _triton_has_attention() -> bool:
-    global _triton_defines_attention
-    if _triton_defines_attention is None:
-        _dispatch.triton_ops()
-        _triton_defines_attention = "attnres_triton::attn_fwd" in torch._C._dispatch_get_all_op_names()
-    return _triton_defines_attention
-
-
 def _limit(head_dim: int):
     def limit(backend: str) -> str | None:
         if head_dim > MAX_HEAD_DIM:
             return f"the fused attention kernels support head sizes Dh <= {MAX_HEAD_DIM}, got Dh = {head_dim}"
-        if backend == "triton" and not _triton_has_attention():
-            return "the Triton backend does not define attnres_triton::attn_fwd"
         return None
 
     return limit

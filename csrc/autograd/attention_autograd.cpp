@@ -1,5 +1,6 @@
 // Autograd of attnres::attn_fwd, registered for the Autograd dispatch key: it
-// serves every native kernel of the op (CPU, and CUDA when built).
+// serves every native kernel of the op (CPU, and CUDA when built), and, registered
+// for attnres_triton::attn_fwd too, the Triton kernels (see depth_attention_autograd.cpp).
 //
 // Forward: redispatches to the backend kernel and saves q, k, v, the key
 // padding mask, out and the fp32 (fp64) lse: the backward recomputes the
@@ -48,10 +49,21 @@ OptTensor present(const Tensor& t) { return t.defined() ? OptTensor(t) : c10::nu
 // Positions in the saved list.
 enum Saved { kQ, kK, kV, kMask, kOut, kLse };
 
-struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+// The forward and backward ops of one backend family: the native kernels, or the Triton ones.
+struct NativeOps {
+  static constexpr const char* kFwd = "attnres::attn_fwd";
+  static constexpr const char* kBwd = "attnres::attn_bwd";
+};
+struct TritonOps {
+  static constexpr const char* kFwd = "attnres_triton::attn_fwd";
+  static constexpr const char* kBwd = "attnres_triton::attn_bwd";
+};
+
+template <typename Ops>
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction<Ops>> {
   static variable_list forward(AutogradContext* ctx, const Tensor& q, const Tensor& k, const Tensor& v,
                                const OptTensor& key_padding_mask, bool causal, double scale) {
-    static const auto fwd = find_op<FwdSignature>("attnres::attn_fwd");
+    static const auto fwd = find_op<FwdSignature>(Ops::kFwd);
     Tensor out, lse;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -86,7 +98,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         if (!saved[i].requires_grad()) result[i] = Tensor();
       }
     } else {
-      static const auto bwd = find_op<BwdSignature>("attnres::attn_bwd");
+      static const auto bwd = find_op<BwdSignature>(Ops::kBwd);
       // Below the Autograd key: the fused backward is not differentiable (grad mode is off here).
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       const Tensor d_out = grad_out ? *grad_out : at::zeros_like(out);
@@ -97,20 +109,22 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 };
 
+template <typename Ops>
 std::tuple<Tensor, Tensor> attn_fwd_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                              const OptTensor& key_padding_mask, bool causal, double scale) {
   if (!at::GradMode::is_enabled() || !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
     // Nothing to differentiate (inference, a decode step): the kernel alone, no graph node.
-    static const auto fwd = find_op<FwdSignature>("attnres::attn_fwd");
+    static const auto fwd = find_op<FwdSignature>(Ops::kFwd);
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return fwd.call(q, k, v, key_padding_mask, causal, scale);
   }
-  const variable_list out = AttentionFunction::apply(q, k, v, key_padding_mask, causal, scale);
+  const variable_list out = AttentionFunction<Ops>::apply(q, k, v, key_padding_mask, causal, scale);
   return {out[0], out[1]};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd); }
+TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<NativeOps>); }
+TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<TritonOps>); }
 
 }  // namespace attnres

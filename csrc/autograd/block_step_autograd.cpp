@@ -1,5 +1,7 @@
 // Autograd of attnres::block_step_fwd, registered for the Autograd dispatch
-// key: it serves every native kernel of the op (CPU, and CUDA when built).
+// key: it serves every native kernel of the op (CPU, and CUDA when built), and,
+// registered for attnres_triton::block_step_fwd too, the Triton kernels (see
+// depth_attention_autograd.cpp).
 //
 // Forward: redispatches to the backend kernel and saves new_partial (never the
 // addends: keeping the old partial sum alive would cost O(L·d) memory), the
@@ -51,11 +53,22 @@ OptTensor present(const Tensor& t) { return t.defined() ? OptTensor(t) : c10::nu
 // Positions in the saved list.
 enum Saved { kNewPartial, kQuery, kNormWeight, kPrefixOut, kPrefixLse, kOutNormWeight, kLogit, kRinv };
 
-struct BlockStepFunction : public torch::autograd::Function<BlockStepFunction> {
+// The forward and backward ops of one backend family: the native kernels, or the Triton ones.
+struct NativeOps {
+  static constexpr const char* kFwd = "attnres::block_step_fwd";
+  static constexpr const char* kBwd = "attnres::block_step_bwd";
+};
+struct TritonOps {
+  static constexpr const char* kFwd = "attnres_triton::block_step_fwd";
+  static constexpr const char* kBwd = "attnres_triton::block_step_bwd";
+};
+
+template <typename Ops>
+struct BlockStepFunction : public torch::autograd::Function<BlockStepFunction<Ops>> {
   static variable_list forward(AutogradContext* ctx, const OptTensor& partial, const Tensor& update,
                                const Tensor& query, const OptTensor& norm_weight, const Tensor& prefix_out,
                                const Tensor& prefix_lse, const OptTensor& out_norm_weight, double eps) {
-    static const auto fwd = find_op<FwdSignature>("attnres::block_step_fwd");
+    static const auto fwd = find_op<FwdSignature>(Ops::kFwd);
     Tensor new_partial, out, lse, logit, rinv;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
@@ -92,7 +105,7 @@ struct BlockStepFunction : public torch::autograd::Function<BlockStepFunction> {
         if (!input.defined() || !input.requires_grad()) result[k] = Tensor();
       }
     } else {
-      static const auto bwd = find_op<BwdSignature>("attnres::block_step_bwd");
+      static const auto bwd = find_op<BwdSignature>(Ops::kBwd);
       // Below the Autograd key: the fused backward is not differentiable (grad mode is off here).
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       auto [d_new, d_query, d_norm, d_prefix_out, d_prefix_lse, d_out_norm] =
@@ -130,16 +143,18 @@ struct BlockStepFunction : public torch::autograd::Function<BlockStepFunction> {
   }
 };
 
+template <typename Ops>
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> block_step_fwd_autograd(
     const OptTensor& partial, const Tensor& update, const Tensor& query, const OptTensor& norm_weight,
     const Tensor& prefix_out, const Tensor& prefix_lse, const OptTensor& out_norm_weight, double eps) {
   const variable_list out =
-      BlockStepFunction::apply(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+      BlockStepFunction<Ops>::apply(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd); }
+TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<NativeOps>); }
+TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<TritonOps>); }
 
 }  // namespace attnres
