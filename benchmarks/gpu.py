@@ -893,6 +893,16 @@ def _split_cells(row: Row) -> str:
     return " | ".join(cells)
 
 
+def _op_section(title: str, intro: list, cases: dict, baseline: str, short: str) -> list:
+    """A report section: its title, intro lines and one ``_op_table`` per case (nothing without cases)."""
+    if not cases:
+        return []
+    lines = ["", f"## {title}", "", *intro]
+    for case, rows in cases.items():
+        lines += ["", f"### {case}", "", *_op_table(rows, baseline, short)]
+    return lines
+
+
 def _op_table(rows: list, baseline: str, short: str) -> list:
     """One case of attention or the Block step: times, speed-ups over ``baseline`` (named ``short``
     in the header), the host/device split and the accuracy."""
@@ -963,29 +973,29 @@ def markdown(
         lines.append("")
     lines += ["## How the peers are called", ""]
     lines += [f"- **{name}**: {' '.join(doc.split())}" for name, doc in PEERS.items()]
-    if attention_rows:
-        lines += [
-            "",
-            "## Attention",
-            "",
+    lines += _op_section(
+        "Attention",
+        [
             "`ak.attention(q, k, v, causal=True)` on our backends and PyTorch's `scaled_dot_product_attention`",
             "(cuDNN or FlashAttention on a GPU); q, k, v `[B, H, T, Dh]`. ×SDPA: SDPA's time over the row's (above 1:",
             "faster than SDPA). Host/device columns as in the depth read. Accuracy as in the depth read, except that",
             "the same-precision baseline is plain PyTorch attention in the input dtype (FlashAttention's rule).",
-        ]
-        for case, rows in attention_rows.items():
-            lines += ["", f"### {case}", "", *_op_table(rows, "torch SDPA", "SDPA")]
-    if block_step_rows:
-        lines += [
-            "",
-            "## Block step",
-            "",
+        ],
+        attention_rows,
+        "torch SDPA",
+        "SDPA",
+    )
+    lines += _op_section(
+        "Block step",
+        [
             "`ak.block_step`: `partial + update` and the next site's read merged with its phase-1 prefix, PreNorm",
             "fused (`out_norm_weight`), as the Block model runs it. ×eager: the eager reference's time over the",
             "row's. Accuracy: outputs (new partial, read) and the gradients of every input, as in the depth read.",
-        ]
-        for case, rows in block_step_rows.items():
-            lines += ["", f"### {case}", "", *_op_table(rows, "reference, eager", "eager")]
+        ],
+        block_step_rows,
+        "reference, eager",
+        "eager",
+    )
     if cfg is not None:
         lines += [
             "",
