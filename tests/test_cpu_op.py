@@ -241,6 +241,7 @@ def test_large_outputs_streamed_from_the_weighted_sum_match_reference(dtype, d, 
     "rows,d,q,out_norm,normalize,out_fp32",
     [
         (1400, 1024, None, False, False, False),  # 8.2 (bf16) MiB of source gradients: streamed (64-byte aligned rows)
+        (1400, 1024, 3, True, False, False),  # 3 sites + out norm, streamed (AVX2 bf16: a cache line of 2 vectors)
         (1400, 1000, 2, True, False, False),  # rows not aligned: stored; a tail past the last 32 values
         (9000, 64, None, True, True, False),  # 36-row chunks: du and dg summed in float over 32 rows, then 4
         (300, 96, 3, False, True, False),
