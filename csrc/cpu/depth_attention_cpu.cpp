@@ -1222,55 +1222,76 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
-  for (; d + 2 * W <= dim; d += 2 * W) {
-    // This vector pair of every site's do and u, loaded once for the n sources.
-    fVec du_first[G], du_second[G], do_first[G], do_second[G], u_first[G], u_second[G];
-#pragma GCC unroll 4
-    for (int q = 0; q < G; ++q) {
-      du_first[q] = du_second[q] = fVec(0.f);
-      do_first[q] = fVec::loadu(do_sum_order + q * dim + d);
-      do_second[q] = fVec::loadu(do_sum_order + q * dim + d + W);
-      u_first[q] = fVec::loadu(u_sum_order + q * dim + d);
-      u_second[q] = fVec::loadu(u_sum_order + q * dim + d + W);
-    }
-    for (int64_t i = 0; i < n; ++i) {
-      if (next_row_bytes != nullptr) {
-        const char* next = reinterpret_cast<const char*>(v[i] + d) + next_row_bytes[i];
-        for (int64_t line = 0; line < int64_t(2 * W * sizeof(src_t)); line += 64) __builtin_prefetch(next + line, 0, 2);
-      }
-      const auto [x_first, x_second] = vectors_for_sums<src_t, float>(v[i] + d);
-      fVec g_first = x_first * fVec(-c2[i]), g_second = x_second * fVec(-c2[i]);
+  // Steps of P vector pairs from column d: P = 1, or 2 for one site over bf16 rows where a pair is half
+  // a cache line (AVX2): the two pairs of a line share each source's bookkeeping (its pointers,
+  // coefficients and prefetch) and go out as a whole line. Zen 3, N=9, D=1024, one thread: 29 % fewer
+  // instructions (callgrind: 32.1 k -> 22.8 k per row), 6.1-7.3 -> 4.5-4.9 µs per row with 128 rows in
+  // cache, 8192 rows from memory within the noise (6.1-7.0 vs 5.6-6.5; 2 threads 61-75 vs 66-76 % of
+  // a copy). (With more sites, do, u and du of two pairs do not fit in AVX2's 16 registers.)
+  auto steps = [&](auto pairs) {
+    constexpr int P = decltype(pairs)::value;
+    constexpr int K = 2 * P;  // float vectors per step
+    for (; d + K * W <= dim; d += K * W) {
+      // These vectors of every site's do and u, loaded once for the n sources.
+      fVec du_v[G][K], do_v[G][K], u_v[G][K];
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
-        const int64_t qi = q * n + i;
-        const fVec aq(a[qi]), cq(c1[qi]);
-        g_first = at::vec::fmadd(aq, do_first[q], at::vec::fmadd(cq, u_first[q], g_first));
-        g_second = at::vec::fmadd(aq, do_second[q], at::vec::fmadd(cq, u_second[q], g_second));
-        du_first[q] = at::vec::fmadd(cq, x_first, du_first[q]);
-        du_second[q] = at::vec::fmadd(cq, x_second, du_second[q]);
-      }
-      src_t* out = dv[i] + d;
-      if constexpr (kSplitSumOrder<src_t>) {
-        const Vectorized<at::BFloat16> rounded = bf16_from_even_odd(g_first, g_second);
-        if (stream) {
-          bf16_streams.store(i, rounded, out, d);
-        } else {
-          rounded.store(out);
+        for (int k = 0; k < K; ++k) {
+          du_v[q][k] = fVec(0.f);
+          do_v[q][k] = fVec::loadu(do_sum_order + q * dim + d + k * W);
+          u_v[q][k] = fVec::loadu(u_sum_order + q * dim + d + k * W);
         }
-      } else if (stream) {
-        store_streaming(g_first, out);
-        store_streaming(g_second, out + W);
-      } else {
-        g_first.store(out);
-        g_second.store(out + W);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (next_row_bytes != nullptr) {
+          const char* next = reinterpret_cast<const char*>(v[i] + d) + next_row_bytes[i];
+          for (int64_t line = 0; line < int64_t(K * W * sizeof(src_t)); line += 64) {
+            __builtin_prefetch(next + line, 0, 2);
+          }
+        }
+        fVec x[K], g[K];
+        for (int p = 0; p < P; ++p)
+          std::tie(x[2 * p], x[2 * p + 1]) = vectors_for_sums<src_t, float>(v[i] + d + p * 2 * W);
+        for (int k = 0; k < K; ++k) g[k] = x[k] * fVec(-c2[i]);
+#pragma GCC unroll 4
+        for (int q = 0; q < G; ++q) {
+          const int64_t qi = q * n + i;
+          const fVec aq(a[qi]), cq(c1[qi]);
+          for (int k = 0; k < K; ++k) {
+            g[k] = at::vec::fmadd(aq, do_v[q][k], at::vec::fmadd(cq, u_v[q][k], g[k]));
+            du_v[q][k] = at::vec::fmadd(cq, x[k], du_v[q][k]);
+          }
+        }
+        src_t* out = dv[i] + d;
+        if constexpr (kSplitSumOrder<src_t>) {
+          for (int p = 0; p < P; ++p) {
+            const Vectorized<at::BFloat16> rounded = bf16_from_even_odd(g[2 * p], g[2 * p + 1]);
+            if (!stream) {
+              rounded.store(out + p * 2 * W);
+            } else if constexpr (P == 2) {
+              store_streaming(rounded, out + p * 2 * W);
+            } else {
+              bf16_streams.store(i, rounded, out, d);
+            }
+          }
+        } else {
+          for (int k = 0; k < K; ++k) {
+            if (stream) {
+              store_streaming(g[k], out + k * W);
+            } else {
+              g[k].store(out + k * W);
+            }
+          }
+        }
+      }
+      for (int q = 0; q < G; ++q) {
+        float* du = du_sum_order + q * dim + d;
+        for (int k = 0; k < K; ++k) (fVec::loadu(du + k * W) + du_v[q][k]).store(du + k * W);
       }
     }
-    for (int q = 0; q < G; ++q) {
-      float* du = du_sum_order + q * dim + d;
-      (fVec::loadu(du) + du_first[q]).store(du);
-      (fVec::loadu(du + W) + du_second[q]).store(du + W);
-    }
-  }
+  };
+  if constexpr (Bf16LineStreams::kHalfLines && kSplitSumOrder<src_t> && G == 1) steps(std::integral_constant<int, 2>{});
+  steps(std::integral_constant<int, 1>{});  // (the last pair of a row of an odd count of pairs)
   for (; d < dim; ++d) {
     for (int64_t i = 0; i < n; ++i) {
       const float x = static_cast<float>(v[i][d]);
