@@ -1228,7 +1228,9 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
   // instructions (callgrind: 32.1 k -> 22.8 k per row), 6.1-7.3 -> 4.5-4.9 µs per row with 128 rows in
   // cache, 8192 rows from memory within the noise (6.1-7.0 vs 5.6-6.5; 2 threads 61-75 vs 66-76 % of
   // a copy). (With more sites, do, u and du of two pairs do not fit in AVX2's 16 registers.)
-  auto steps = [&](auto pairs) {
+  // (Always inlined: out of line, as GCC left it for 3 and 4 sites with AVX512, every captured value
+  // would be reloaded after each store that might alias it.)
+  auto steps = [&](auto pairs) C10_ALWAYS_INLINE_ATTRIBUTE {
     constexpr int P = decltype(pairs)::value;
     constexpr int K = 2 * P;  // float vectors per step
     for (; d + K * W <= dim; d += K * W) {
