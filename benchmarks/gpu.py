@@ -285,6 +285,9 @@ def _reference(case: ReadCase, env: Env):
 
 
 def _compiled_reference(case: ReadCase, env: Env):
+    # Each case compiles a graph of its own shapes: without the reset, Dynamo reaches its recompile limit after a few
+    # cases and runs the eager function from then on, silently (an H100 sweep's compiled rows equalled eager).
+    torch._dynamo.reset()
     compiled = torch.compile(reference.depth_attention, backend=env.compile_backend, dynamic=False)
     return lambda sources, w, gamma: compiled(w, sources, gamma, eps=EPS)
 
@@ -704,17 +707,16 @@ def _train_step(name: str, cfg: ModelConfig, backend: str, device: torch.device)
 
 def bench_models(cfg: ModelConfig, env: Env) -> list:
     """One AdamW step per model and depth-read backend, under bf16 autocast. The fused reads use
-    ``backend="auto"`` on a GPU; a dry run asks for ``"triton"`` (the interpreter), the backend
-    "auto" picks on a GPU."""
+    ``backend="auto"`` on a GPU, and ``"cuda"`` (the C++ kernels) beside it; a dry run asks for
+    ``"triton"`` (the interpreter), the backend "auto" picks on a GPU. The models' attention follows
+    their ``backend`` (``attention_backend="auto"``): the ``"cuda"`` rows run it on the CUDA C++ kernel."""
     fused = "triton" if env.dry_run else "auto"
+    runs = [("Standard", fused), ("Full", fused), ("Full", "reference"), ("Block", fused), ("Block", "reference")]
+    if not env.dry_run:  # the CUDA C++ reads: fewer host µs per call than Triton's, more device time
+        runs[3:3] = [("Full", "cuda")]
+        runs.append(("Block", "cuda"))
     rows = []
-    for name, backend in [
-        ("Standard", fused),
-        ("Full", fused),
-        ("Full", "reference"),
-        ("Block", fused),
-        ("Block", "reference"),
-    ]:
+    for name, backend in runs:
         label = "-" if name == "Standard" else backend
         if backend != "reference" and name != "Standard":
             label = ak.ops.resolve_backend(backend, env.device, cfg.d_model, torch.bfloat16)
@@ -804,8 +806,9 @@ def inkling2_model_args(dry_run: bool):
 
 def bench_inkling2_model(env: Env) -> tuple:
     """An AdamW step (forward with labels, backward, step) of a random ``Inkling2ForCausalLM`` loaded in
-    bf16, for each of ``inkling2_model.VARIANTS``, one variant on the device at a time; the first step's
-    loss is reported so that the variants can be compared. Returns ``(model args, rows)``."""
+    bf16, for each of ``inkling2_model.VARIANTS`` (reads on ``backend="auto"``) and, on a GPU, the default
+    patch on the CUDA C++ kernels, one variant on the device at a time; the first step's loss is reported
+    so that the variants can be compared. Returns ``(model args, rows)``."""
     import shutil
     import tempfile
 
@@ -819,10 +822,13 @@ def bench_inkling2_model(env: Env) -> tuple:
         inkling2_model.make_model(args).save_pretrained(path)
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(1, 2000, (args.batch, args.tokens), generator=gen).to(env.device)
-        for name in inkling2_model.VARIANTS:
-            row = Inkling2StepRow(name, "ok")
+        runs = [(name, "auto") for name in inkling2_model.VARIANTS]
+        if not env.dry_run:
+            runs.append(("reads+norms", "cuda"))
+        for name, backend in runs:
+            row = Inkling2StepRow(name if backend == "auto" else f"{name}, {backend}", "ok")
             try:
-                model = inkling2_model.variant(path, name, torch.bfloat16).to(env.device)
+                model = inkling2_model.variant(path, name, torch.bfloat16, backend).to(env.device)
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
 
                 def step(model=model, opt=opt):
@@ -996,7 +1002,7 @@ def markdown(
         "reference, eager",
         "eager",
     )
-    if cfg is not None:
+    if cfg is not None and model_rows:
         lines += [
             "",
             "## Training step",
@@ -1004,7 +1010,9 @@ def markdown(
             f"AdamW step under bf16 autocast: d={cfg.d_model}, L={cfg.layers}, heads={cfg.heads}, T={cfg.seq}, "
             f"batch {cfg.batch}, vocab {cfg.vocab}, Block with {cfg.layers_per_block} layers per block. "
             "device ms/step: the kernels' time of one step (torch.profiler over 2 steps); bound by `host` when "
-            "issuing a step takes the host longer than that (ms/step then exceeds the device time).",
+            "issuing a step takes the host longer than that (ms/step then exceeds the device time). The model's "
+            '`backend` runs its attention too (`attention_backend="auto"`): the `cuda` rows run both on the '
+            "CUDA C++ kernels.",
             "",
             "| model | depth read | status | ms/step | × Standard | tokens/s | peak MiB | device ms/step | bound by |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -1046,7 +1054,8 @@ def markdown(
             f"{args.hidden}, {args.layers} layers, full attention every 4th, AttnRes blocks of {args.block} layers, "
             f"4 experts top 2), B = {args.batch}, T = {args.tokens}; one AdamW step. `reads`: "
             "`apply_attnres_kernels(model, fuse_norms=False)`; `reads+norms`: the default (reads fused with the "
-            "RMSNorm after each). device ms/step and bound by as in the training-step table.",
+            'RMSNorm after each); `, cuda`: the same patch with `backend="cuda"` (the C++ kernels). device ms/step '
+            "and bound by as in the training-step table.",
             "",
             "| variant | status | ms/step | speedup | peak MiB | first loss | device ms/step | bound by |",
             "|---|---|---|---|---|---|---|---|",
@@ -1073,6 +1082,9 @@ def _jsonable(obj):
     return obj
 
 
+SECTIONS = ["reads", "attention", "block_step", "models", "inkling2_reads", "inkling2_step"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dry-run", action="store_true", help="tiny CPU run of the same code (no GPU needed)")
@@ -1081,6 +1093,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement, ms")
     parser.add_argument("--skip-models", action="store_true", help="skip the model training-step benchmark")
     parser.add_argument("--model-batch", type=int, default=4)
+    parser.add_argument(
+        "--sections", nargs="*", choices=SECTIONS, default=SECTIONS, help="the report's sections to measure (all)"
+    )
     parser.add_argument(
         "--only", nargs="*", default=None, help="run only these depth-read implementations (names as listed)"
     )
@@ -1101,40 +1116,61 @@ def main(argv=None) -> int:
     except ImportError:
         tqdm = lambda x, **_: x
     read_rows, copies = {}, {}
-    for case in tqdm(read_cases(args.dry_run, args.quick), desc="depth read"):
-        read_rows[case.label], copies[case.label] = bench_case(case, env, impls)
-    attention_rows = bench_attention(env)
-    block_step_rows = bench_block_step(env)
+    attention_rows, block_step_rows, model_rows, inkling2_rows = {}, {}, [], []
     cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
-    model_rows = bench_models(cfg, env) if cfg is not None else []
-    inkling2_rows = bench_inkling2_reads(env)
-    inkling2_step = None if args.skip_models else bench_inkling2_model(env)
-    report = markdown(
-        env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step, attention_rows, block_step_rows
-    )
-    result = {
-        "environment": env_info,
-        "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
-        "copy_gbps": copies,
-        "attention": {case: [asdict(r) for r in rows] for case, rows in attention_rows.items()},
-        "block_step": {case: [asdict(r) for r in rows] for case, rows in block_step_rows.items()},
-        "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
-        "inkling2_reads": [asdict(r) for r in inkling2_rows],
-        "inkling2_step": None
-        if inkling2_step is None
-        else {"model": vars(inkling2_step[0]), "rows": [asdict(r) for r in inkling2_step[1]]},
-    }
+    inkling2_step = None
     out_dir = (
         args.out if args.out is not None else (None if args.dry_run else os.path.join(ROOT, "benchmarks", "results"))
     )
+
+    def write_report() -> str:
+        """The report of the sections measured so far, written after each one (a run cut short keeps them)."""
+        report = markdown(
+            env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step, attention_rows, block_step_rows
+        )
+        if out_dir is None:
+            return report
+        result = {
+            "environment": env_info,
+            "depth_read": {case: [asdict(r) for r in rows] for case, rows in read_rows.items()},
+            "copy_gbps": copies,
+            "attention": {case: [asdict(r) for r in rows] for case, rows in attention_rows.items()},
+            "block_step": {case: [asdict(r) for r in rows] for case, rows in block_step_rows.items()},
+            "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
+            "inkling2_reads": [asdict(r) for r in inkling2_rows],
+            "inkling2_step": None
+            if inkling2_step is None
+            else {"model": vars(inkling2_step[0]), "rows": [asdict(r) for r in inkling2_step[1]]},
+        }
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "gpu.md"), "w") as f:
+            f.write(report)
+        with open(os.path.join(out_dir, "gpu.json"), "w") as f:
+            json.dump(_jsonable(result), f, indent=1)
+        return report
+
+    if "reads" in args.sections:
+        for case in tqdm(read_cases(args.dry_run, args.quick), desc="depth read"):
+            read_rows[case.label], copies[case.label] = bench_case(case, env, impls)
+            write_report()
+    if "attention" in args.sections:
+        attention_rows.update(bench_attention(env))
+        write_report()
+    if "block_step" in args.sections:
+        block_step_rows.update(bench_block_step(env))
+        write_report()
+    if cfg is not None and "models" in args.sections:
+        model_rows += bench_models(cfg, env)
+        write_report()
+    if "inkling2_reads" in args.sections:
+        inkling2_rows += bench_inkling2_reads(env)
+        write_report()
+    if not args.skip_models and "inkling2_step" in args.sections:
+        inkling2_step = bench_inkling2_model(env)
+    report = write_report()
     if out_dir is None:
         print(report)
         return 0
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu.md"), "w") as f:
-        f.write(report)
-    with open(os.path.join(out_dir, "gpu.json"), "w") as f:
-        json.dump(_jsonable(result), f, indent=1)
     print(report)
     print(f"wrote {os.path.join(out_dir, 'gpu.md')} and gpu.json")
     return 0

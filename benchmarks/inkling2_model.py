@@ -80,12 +80,12 @@ def make_model(args) -> torch.nn.Module:
     return model
 
 
-def variant(path, name, dtype):
+def variant(path, name, dtype, backend="auto"):
     """The checkpoint at ``path`` loaded in ``dtype`` (transformers keeps the AttnRes queries, the router and
-    the short convolutions in fp32), patched as ``name`` says."""
+    the short convolutions in fp32), patched as ``name`` says, its reads on ``backend``."""
     model = transformers.Inkling2ForCausalLM.from_pretrained(path, dtype=dtype)
     if name != "unpatched":
-        hf.apply_attnres_kernels(model, fuse_norms=name == "reads+norms")
+        hf.apply_attnres_kernels(model, backend, fuse_norms=name == "reads+norms")
     return model.train()
 
 

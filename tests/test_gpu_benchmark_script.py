@@ -137,6 +137,25 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
     assert "| first loss | device ms/step | bound by |" in report
 
 
+def test_sections_and_the_report_after_each(gpu, tmp_path, monkeypatch):
+    """``--sections`` measures only the sections named, and the report is on disk after each one: a run
+    cut short (here, the Block step interrupted) keeps what it measured."""
+
+    def interrupted(env):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu, "bench_block_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "attention", "block_step"])
+    report = (tmp_path / "gpu.md").read_text()
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert list(result["attention"]) == ["B=1 H=2 T=8 Dh=16 causal bfloat16"] and "## Attention" in report
+    assert result["depth_read"] == {} and "### N=" not in report
+    assert result["block_step"] == {} and "## Block step" not in report
+    assert result["models"]["rows"] == [] and "## Training step" not in report
+    assert result["inkling2_reads"] == [] and result["inkling2_step"] is None
+
+
 def test_without_a_gpu_the_real_run_refuses(gpu, capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
