@@ -106,7 +106,7 @@ def promoted_dtype(tensors) -> torch.dtype:
     """PyTorch type promotion over the dtypes of ``tensors`` (Nones skipped)."""
     dtype = None
     for t in tensors:
-        if t is not None:
+        if t is not None and t.dtype is not dtype:  # dtypes are singletons: the usual equal ones skip the promotion
             dtype = t.dtype if dtype is None else torch.promote_types(dtype, t.dtype)
     return dtype
 

@@ -108,6 +108,43 @@ def test_slot_layout():
     assert launch._slot_layout(mk(f16, f64)).arrange(["a", "b"]) == ["b", "a"]
 
 
+def test_row_layouts_read_rows_in_place():
+    """A contiguous source is its own rows, rows of a view keep their stride, and only a source
+    whose columns are not adjacent is copied; each row layout addresses the source's elements."""
+    from attnres_kernels.triton import launch
+
+    wide = torch.randn(2, 3, 16)
+    sources = [torch.randn(2, 3, 8), wide[..., :8], wide[..., ::2]]
+    rows, strides = launch._row_layouts(sources, 8)
+    assert rows[0] is sources[0] and strides[0] == 8
+    assert rows[1].data_ptr() == wide.data_ptr() and strides[1] == 16
+    assert rows[2].is_contiguous() and strides[2] == 8
+    for source, r, stride in zip(sources, rows, strides):
+        flat = torch.as_strided(r, (6, 8), (stride, 1))
+        torch.testing.assert_close(flat, source.reshape(6, 8), rtol=0, atol=0)
+
+
+def test_launch_tables_are_reused_by_content():
+    from attnres_kernels.triton import launch
+
+    cpu = torch.device("cpu")
+    first = launch._int64_tables(([0, 5, 9], [8, 8, 8]), cpu)
+    assert [t.tolist() for t in first] == [[0, 5, 9], [8, 8, 8]]
+    assert all(a is b for a, b in zip(first, launch._int64_tables(([0, 5, 9], [8, 8, 8]), cpu)))
+    other = launch._int64_tables(([0, 5, 9], [8, 8, 16]), cpu)
+    assert [t.tolist() for t in other] == [[0, 5, 9], [8, 8, 16]]
+
+
+def test_launch_helpers_match_triton():
+    """The launchers' integer helpers give what triton.cdiv / triton.next_power_of_2 give."""
+    import triton
+
+    for n in range(1, 300):
+        assert triton_backend.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for b in (1, 7, 8, 128):
+            assert triton_backend.cdiv(n, b) == triton.cdiv(n, b), (n, b)
+
+
 def test_triton_kernels_are_launched(monkeypatch):
     """Counts launches of the real kernels: a fallback could not produce them."""
     from attnres_kernels.triton import launch

@@ -132,7 +132,8 @@ def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, re
     ):
         chosen = "cpu"
     else:
-        compute_dtype = torch.promote_types(args.input_dtype, args.dtype)
+        input_dtype, out_dtype = args.input_dtype, args.options.out_dtype  # args.dtype would promote the sources again
+        compute_dtype = input_dtype if out_dtype is None else torch.promote_types(input_dtype, out_dtype)
         chosen = resolve_backend(
             backend, args.device, args.sources[0].shape[-1], compute_dtype, args.options, weighted_values
         )

@@ -29,3 +29,15 @@ MAX_DIM = 8192
 
 def max_dim(dtype: torch.dtype) -> int:
     return MAX_DIM // 4 if dtype == torch.float64 else MAX_DIM
+
+
+# Host-side integer helpers of the launchers: triton.cdiv and triton.next_power_of_2 are
+# ConstexprFunctions, ~3 µs per call from Python, paid on every launch.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)``."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two ``>= n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()

@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
 from .._validation import MAX_HEAD_DIM, accumulation_dtype
-from . import INTERPRETING
+from . import INTERPRETING, cdiv, next_power_of_2
 from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
 from .launch import AotLaunch
 
@@ -93,7 +92,7 @@ def kernel_config(head_dim: int, dtype: torch.dtype) -> AttentionConfig:
         raise ValueError(
             f"the Triton attention supports head sizes 1 <= Dh <= {limit} for {dtype}, got Dh = {head_dim}"
         )
-    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(head_dim))
+    block_d = max(MIN_BLOCK_D, next_power_of_2(head_dim))
     if dtype in (torch.float16, torch.bfloat16):
         if block_d <= 64:
             stages = 3 if block_d == 32 else 2
@@ -166,7 +165,7 @@ def attn_fwd(q, k, v, key_padding_mask, causal: bool, scale: float):
     tiles = cfg.fwd
     _launch(
         attn_fwd_kernel,
-        (triton.cdiv(tq, tiles.block_m), heads, batch),
+        (cdiv(tq, tiles.block_m), heads, batch),
         q, k, v, mask, out, lse,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *out.stride(),
         heads, heads // kv_heads, tq, tk, head_dim,
@@ -195,7 +194,7 @@ def attn_bwd(grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal: bo
     sizes = (heads, heads // kv_heads, tq, tk, head_dim)
     _launch(
         attn_bwd_preprocess_kernel,
-        (triton.cdiv(tq, PREPROCESS_BLOCK_M), heads, batch),
+        (cdiv(tq, PREPROCESS_BLOCK_M), heads, batch),
         out, grad_out, lse, grad_lse, delta,
         *out.stride(), *grad_out.stride(), *(grad_lse.stride() if grad_lse is not None else (0, 0, 0)),
         heads, tq, head_dim,
@@ -203,14 +202,14 @@ def attn_bwd(grad_out, grad_lse, q, k, v, key_padding_mask, out, lse, causal: bo
     )  # fmt: skip
     _launch(
         attn_bwd_dkdv_kernel,
-        (triton.cdiv(tk, cfg.dkdv.block_n), kv_heads, batch),
+        (cdiv(tk, cfg.dkdv.block_n), kv_heads, batch),
         q, k, v, mask, grad_out, lse, delta, grad_k, grad_v,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *grad_out.stride(), *sizes,
         BLOCK_M=cfg.dkdv.block_m, BLOCK_N=cfg.dkdv.block_n, **flags, **cfg.dkdv.launch_options(),
     )  # fmt: skip
     _launch(
         attn_bwd_dq_kernel,
-        (triton.cdiv(tq, cfg.dq.block_m), heads, batch),
+        (cdiv(tq, cfg.dq.block_m), heads, batch),
         q, k, v, mask, grad_out, lse, delta, grad_q,
         *q.stride(), *k.stride(), *v.stride(), *mask_strides, *grad_out.stride(), *sizes,
         BLOCK_M=cfg.dq.block_m, BLOCK_N=cfg.dq.block_n, **flags, **cfg.dq.launch_options(),

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
-from . import max_dim
+from . import cdiv, max_dim, next_power_of_2
 from .launch import AotLaunch, column_sum
 
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
@@ -233,7 +233,7 @@ def step_config(dim: int, acc: torch.dtype) -> StepConfig:
     if not 1 <= dim <= max_dim(acc):
         raise ValueError(f"the Triton Block step supports 1 <= D <= {max_dim(acc)} for {acc} math, got D = {dim}")
     words = 2 if acc == torch.float64 else 1
-    block_d = max(MIN_BLOCK_D, triton.next_power_of_2(dim))
+    block_d = max(MIN_BLOCK_D, next_power_of_2(dim))
     return StepConfig(block_d, max(1, min(16, block_d * words // 512)))
 
 
@@ -324,7 +324,7 @@ def block_step_bwd(
     grad_u = new_partial.new_zeros((dim,), dtype=acc_torch)
     grad_g = new_partial.new_zeros((dim,), dtype=acc_torch) if out_norm_weight is not None else None
     if m > 0:
-        n_programs = triton.cdiv(m, BWD_ROWS)
+        n_programs = cdiv(m, BWD_ROWS)
         du_part = new_partial.new_empty((n_programs, dim), dtype=acc_torch)
         dg_part = new_partial.new_empty((n_programs, dim), dtype=acc_torch) if grad_g is not None else None
         v, h_a = _rows(new_partial, dim), _rows(prefix_out, dim)

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.jit import MockTensor
 
 from .._validation import ReadOptions, accumulation_dtype, promoted_dtype
-from . import max_dim
+from . import cdiv, max_dim, next_power_of_2
 from .kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
 
 MAX_BLOCK_Q = 8
@@ -69,14 +68,10 @@ def kernel_config(dim: int, num_queries: int, dtype: torch.dtype) -> KernelConfi
     if not 1 <= dim <= max_dim(dtype):
         raise ValueError(f"the Triton depth read supports 1 <= D <= {max_dim(dtype)} for {dtype}, got D = {dim}")
     words = 2 if dtype == torch.float64 else 1
-    block_d = max(MIN_BLOCK_D, _next_power_of_2(dim))
-    block_q = max(1, min(_next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words)))
+    block_d = max(MIN_BLOCK_D, next_power_of_2(dim))
+    block_q = max(1, min(next_power_of_2(num_queries), MAX_BLOCK_Q // words, MULTI_SITE_TILE // (block_d * words)))
     tile = block_q * block_d * words
     return KernelConfig(block_d, block_q, max(1, min(16, tile // 1024)), max(1, min(16, tile // 512)))
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def all_kernel_configs(dtype: torch.dtype) -> list:
@@ -184,6 +179,10 @@ class SlotLayout(NamedTuple):
 
 
 def _slot_layout(sources) -> SlotLayout:
+    dtype = sources[0].dtype
+    if all(s.dtype is dtype for s in sources):  # one dtype, the usual case: one slot holds every source
+        slot = _SLOT_OF[dtype]
+        return SlotLayout(None, (0,) * (slot + 1) + (len(sources),) * (len(SLOT_DTYPES) - slot))
     slots = [_SLOT_OF[s.dtype] for s in sources]
     bounds = [0] * (len(SLOT_DTYPES) + 1)
     for k in slots:
@@ -214,33 +213,72 @@ def _slot_bases(tensors: list, bounds: tuple, acc: torch.dtype) -> tuple:
     return tuple(bases)
 
 
-def _slot_offsets(tensors: list, bounds: tuple) -> list:
-    """Element offset of each tensor's data from the first tensor of its slot (slot order)."""
+def _slot_offsets(tensors: list, pointers: list, bounds: tuple) -> list:
+    """Element offset of each tensor's data (``pointers``) from the first tensor of its slot (slot order)."""
     offsets = []
     for k in range(len(SLOT_DTYPES)):
-        if bounds[k] < bounds[k + 1]:
-            base = tensors[bounds[k]].data_ptr()
-            offsets += [(t.data_ptr() - base) // t.element_size() for t in tensors[bounds[k] : bounds[k + 1]]]
+        first, end = bounds[k], bounds[k + 1]
+        if first < end:
+            base, size = pointers[first], tensors[first].element_size()
+            offsets += [(p - base) // size for p in pointers[first:end]]
     return offsets
 
 
-def _int64_table(values: list, device: torch.device) -> torch.Tensor:
-    """All the int64 entries of a launch in one host-to-device copy."""
-    table = torch.tensor(values, dtype=torch.int64)
+# The int64 tables of recent launches, by content (and stream): a read whose sources lie as before relative to
+# each other (the next training step, where the caching allocator hands out the same addresses) reuses the device
+# copy instead of paying a pinned host-to-device copy per launch. A table is never written once made, and is read
+# only on the stream its copy was queued on; none is kept while a CUDA graph is captured (the graph could outlive
+# the cache entry).
+_TABLES: dict = {}
+_MAX_TABLES = 4096
+
+
+def _int64_tables(parts: tuple, device: torch.device) -> tuple:
+    """The int64 lists ``parts`` as tensors on ``device``: views of one table, made with one copy."""
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            return _make_tables(parts, device)
+        key = (device, torch.cuda.current_stream(device).cuda_stream, *map(tuple, parts))
+    else:
+        key = (device, *map(tuple, parts))
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.clear()
+        tables = _TABLES[key] = _make_tables(parts, device)
+    return tables
+
+
+def _make_tables(parts: tuple, device: torch.device) -> tuple:
+    table = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
     if device.type == "cuda":  # pinned + non_blocking: no stream synchronization
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
+        table = table.pin_memory().to(device, non_blocking=True)
+    return tuple(table.split([len(part) for part in parts]))
 
 
-def _aligned(tensors: list) -> bool:
+def _aligned(tensors: list, pointers: list, row_strides: list) -> bool:
     """Whether every row of every tensor starts 16-byte aligned."""
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
+    return all(
+        p % 16 == 0 and (stride * t.element_size()) % 16 == 0 for t, p, stride in zip(tensors, pointers, row_strides)
+    )
 
 
-def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``[M, D]`` view with unit column stride (a copy only when the layout needs one)."""
-    r = t.reshape(-1, dim)
-    return r if r.stride(1) == 1 else r.contiguous()
+def _row_layouts(tensors: list, dim: int) -> tuple:
+    """``(rows, row_strides)``: each tensor as ``M`` rows of ``dim`` unit-stride elements, given by a
+    tensor whose data starts at row 0 and the stride between its rows (in elements). A contiguous
+    tensor is its own rows (no view is built: this runs per source on every launch); otherwise an
+    ``[M, D]`` view, a copy only when the layout needs one."""
+    rows, row_strides = [], []
+    for t in tensors:
+        if t.is_contiguous():
+            rows.append(t)
+            row_strides.append(dim)
+        else:
+            r = t.reshape(-1, dim)
+            r = r if r.stride(1) == 1 else r.contiguous()
+            rows.append(r)
+            row_strides.append(r.stride(0))
+    return rows, row_strides
 
 
 def _site_groups(num_queries: int, block_q: int):
@@ -251,13 +289,18 @@ def _site_params(query, norm_weight, out_norm_weight, acc: torch.dtype, scale: f
     """``u = scale · query ⊙ norm_weight`` and the output-norm weight as contiguous ``[Q, D]``
     accumulation-dtype tensors (``[D]`` parameters are shared by the Q sites)."""
     shape = (query.shape[0] if query.dim() == 2 else 1, query.shape[-1])
-    u = query.to(acc).expand(shape)
+    u = _as_dtype(query, acc).expand(shape)
     if norm_weight is not None:
-        u = u * norm_weight.to(acc)
+        u = u * _as_dtype(norm_weight, acc)
     if scale != 1.0:
         u = u * scale
-    g = out_norm_weight.to(acc).expand(shape).contiguous() if out_norm_weight is not None else None
+    g = _as_dtype(out_norm_weight, acc).expand(shape).contiguous() if out_norm_weight is not None else None
     return u.contiguous(), g
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the call when ``t`` has that dtype already (the usual fp32 parameters)."""
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -298,14 +341,15 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
     if m == 0:
         return outputs
     layout = _slot_layout(sources)
-    rows = layout.arrange([_rows(s, dim) for s in sources])
+    rows, row_strides = _row_layouts(layout.arrange(sources), dim)
     # [Q, ...] views of the per-site tensors, sliced per site group below; logits and rinv
     # are written in slot order, into the outputs when that is the sources' own order.
     out, lse = outputs[0].view(q, m, dim), outputs[1].view(q, m)
     logits, rinv = outputs[2].view(q, n, m), outputs[3].view(n, m)
     if layout.order is not None:
         logits, rinv = torch.empty_like(logits), torch.empty_like(rinv)
-    table = _int64_table(_slot_offsets(rows, layout.bounds) + [r.stride(0) for r in rows], first.device)
+    pointers = [r.data_ptr() for r in rows]
+    offsets, strides = _int64_tables((_slot_offsets(rows, pointers, layout.bounds), row_strides), first.device)
     bases = _slot_bases(rows, layout.bounds, acc_torch)
     has_prefix = prefix_out is not None
     if has_prefix:
@@ -313,8 +357,8 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
     for q0, q1 in _site_groups(q, cfg.block_q):
         depth_attn_fwd_kernel[(m,)](
             bases,
-            table[:n],
-            table[n:],
+            offsets,
+            strides,
             *layout.bounds[1:],
             u[q0:q1],
             prefix_out[q0:q1] if has_prefix else None,
@@ -336,7 +380,7 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
             BLOCK_Q=cfg.block_q,
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
-            ALIGNED=_aligned(rows),
+            ALIGNED=_aligned(rows, pointers, row_strides),
             **cfg.launch_options(backward=False),
         )
     if layout.order is not None:  # back to the sources' order
@@ -349,7 +393,7 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
 def column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
     """``out = part.sum(0)`` in a fixed order (see :func:`column_sum_kernel`); ``part`` is contiguous."""
     n_parts, n_cols = part.shape[0], part[0].numel()
-    column_sum_kernel[(triton.cdiv(n_cols, COLUMN_SUM_COLS),)](
+    column_sum_kernel[(cdiv(n_cols, COLUMN_SUM_COLS),)](
         part, out, n_parts, n_cols, BLOCK_PARTS=COLUMN_SUM_PARTS, BLOCK_COLS=COLUMN_SUM_COLS, num_warps=4
     )
 
@@ -409,13 +453,18 @@ def _depth_attn_bwd_launch(
     first, dim = sources[0], sources[0].shape[-1]
     acc_torch, acc_tl = _acc_dtypes(compute_dtype)
     layout = _slot_layout(sources)
-    rows = layout.arrange([_rows(s, dim) for s in sources])
-    grad_rows = layout.arrange([gs.view(-1, dim) for gs in grad_sources])
-    m, n, q = rows[0].shape[0], len(rows), u.shape[0]
+    rows, row_strides = _row_layouts(layout.arrange(sources), dim)
+    grad_rows = layout.arrange(grad_sources)  # contiguous: their rows are dim apart
+    m, n, q = first.numel() // dim, len(rows), u.shape[0]
     cfg = kernel_config(dim, q, compute_dtype)
     has_prefix, has_norm = prefix_out is not None, g is not None
-    table = _int64_table(
-        _slot_offsets(rows, layout.bounds) + [r.stride(0) for r in rows] + _slot_offsets(grad_rows, layout.bounds),
+    pointers, grad_pointers = [r.data_ptr() for r in rows], [r.data_ptr() for r in grad_rows]
+    offsets, strides, grad_offsets = _int64_tables(
+        (
+            _slot_offsets(rows, pointers, layout.bounds),
+            row_strides,
+            _slot_offsets(grad_rows, grad_pointers, layout.bounds),
+        ),
         first.device,
     )
     bases, grad_bases = _slot_bases(rows, layout.bounds, acc_torch), _slot_bases(grad_rows, layout.bounds, acc_torch)
@@ -432,17 +481,17 @@ def _depth_attn_bwd_launch(
     if has_prefix:
         prefix_out, prefix_lse = prefix_out.reshape(q, m, dim).contiguous(), prefix_lse.reshape(q, m).contiguous()
         grad_prefix_out, grad_prefix_lse = grad_prefix_out.view(q, m, dim), grad_prefix_lse.view(q, m)
-    n_programs = triton.cdiv(m, BWD_ROWS)
+    n_programs = cdiv(m, BWD_ROWS)
     for group, (q0, q1) in enumerate(_site_groups(q, cfg.block_q)):
         nq = q1 - q0
         du_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch)
         dg_part = first.new_empty((n_programs, nq, dim), dtype=acc_torch) if has_norm else None
         depth_attn_bwd_kernel[(n_programs,)](
             bases,
-            table[:n],
-            table[n : 2 * n],
+            offsets,
+            strides,
             grad_bases,
-            table[2 * n :],
+            grad_offsets,
             *layout.bounds[1:],
             dy[q0:q1],
             u[q0:q1],
@@ -472,7 +521,7 @@ def _depth_attn_bwd_launch(
             BLOCK_Q=cfg.block_q,
             BLOCK_D=cfg.block_d,
             ACC=acc_tl,
-            ALIGNED=_aligned(rows) and _aligned(grad_rows),
+            ALIGNED=_aligned(rows, pointers, row_strides) and _aligned(grad_rows, grad_pointers, [dim] * n),
             **cfg.launch_options(backward=True),
         )
         column_sum(du_part, grad_u[q0:q1])
