@@ -170,9 +170,15 @@ class DepthReadArgs:
         return self.options.out_dtype or self.input_dtype
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The promotion of the inputs and the output (the sources promoted once)."""
+        input_dtype, out_dtype = self.input_dtype, self.options.out_dtype
+        return input_dtype if out_dtype is None else torch.promote_types(input_dtype, out_dtype)
+
+    @property
     def acc_dtype(self) -> torch.dtype:
         """The accumulation dtype: fp64 when the inputs or the output are fp64, else fp32."""
-        return accumulation_dtype(torch.promote_types(self.input_dtype, self.dtype))
+        return accumulation_dtype(self.compute_dtype)
 
     @property
     def device(self) -> torch.device:

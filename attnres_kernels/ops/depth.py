@@ -132,10 +132,8 @@ def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, re
     ):
         chosen = "cpu"
     else:
-        input_dtype, out_dtype = args.input_dtype, args.options.out_dtype  # args.dtype would promote the sources again
-        compute_dtype = input_dtype if out_dtype is None else torch.promote_types(input_dtype, out_dtype)
         chosen = resolve_backend(
-            backend, args.device, args.sources[0].shape[-1], compute_dtype, args.options, weighted_values
+            backend, args.device, args.sources[0].shape[-1], args.compute_dtype, args.options, weighted_values
         )
     if prefix is not None and chosen != "reference":
         prefix = (prefix[0], prefix[1].to(args.acc_dtype))
