@@ -42,7 +42,8 @@ sized up) unpatched, with its reads patched, and with reads and norms fused, wit
 Models: one AdamW training step (bf16 autocast: fp32 parameters and embedding, bf16 sublayers,
 so the depth reads see mixed dtypes) of Standard, Full and Block AttnRes at d=1024, L=12,
 T=1024 on the fused kernels (``backend="auto"``) and on the reference depth read, with the peak
-memory of the step and its device time (profiler over 2 steps).
+memory of the step and its device time (profiler over 2 steps); on a GPU also Standard, Full and
+Block with their forward and backward replayed from CUDA graphs (``torch.cuda.make_graphed_callables``).
 
 ``--dry-run`` runs the same code paths on tiny CPU tensors: Triton under its interpreter
 (``TRITON_INTERPRET=1``), a ``perf_counter`` timer instead of ``do_bench``, ``torch.compile``
@@ -697,16 +698,23 @@ class ModelRow:
     step_split: Split | None = None
 
 
-def _train_step(name: str, cfg: ModelConfig, backend: str, device: torch.device) -> Callable:
-    """One AdamW step of a fresh model on a fixed batch, under bf16 autocast."""
+def _train_step(name: str, cfg: ModelConfig, backend: str, device: torch.device, graphed: bool = False) -> Callable:
+    """One AdamW step of a fresh model on a fixed batch, under bf16 autocast. ``graphed``: the model's
+    forward and backward captured by ``torch.cuda.make_graphed_callables`` (autocast without its cast
+    cache, as capture requires), the loss and the AdamW step eager."""
     torch.manual_seed(0)
     model = build_model(name, cfg, backend).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(cfg.vocab, (cfg.batch, cfg.seq + 1), device=device)
+    inputs = idx[:, :-1].contiguous()
+    autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, cache_enabled=not graphed)
+    if graphed:
+        with autocast():
+            model = torch.cuda.make_graphed_callables(model, (inputs,))
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = model(idx[:, :-1])
+        with autocast():
+            logits = model(inputs)
             loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), idx[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -722,17 +730,19 @@ def bench_models(cfg: ModelConfig, env: Env) -> list:
     their ``backend``, except in the ``"cuda"`` rows, whose attention runs on Triton (:func:`build_model`)."""
     fused = "triton" if env.dry_run else "auto"
     runs = [("Standard", fused), ("Full", fused), ("Full", "reference"), ("Block", fused), ("Block", "reference")]
+    runs = [(name, backend, False) for name, backend in runs]
     if not env.dry_run:  # the CUDA C++ reads: fewer host µs per call than Triton's, more device time
-        runs[3:3] = [("Full", "cuda")]
-        runs.append(("Block", "cuda"))
+        runs[3:3] = [("Full", "cuda", False)]
+        runs.append(("Block", "cuda", False))
+    if env.device.type == "cuda":  # the steps are host-bound: the same steps replayed from CUDA graphs
+        runs += [(name, fused, True) for name in ("Standard", "Full", "Block")]
     rows = []
-    for name, backend in runs:
-        label = "-" if name == "Standard" else backend
-        if backend != "reference" and name != "Standard":
-            label = ak.ops.resolve_backend(backend, env.device, cfg.d_model, torch.bfloat16)
-        row = ModelRow(name, label, "ok")
+    for name, backend, graphed in runs:
+        row = ModelRow(f"{name}, CUDA graph" if graphed else name, "-" if name == "Standard" else backend, "ok")
         try:
-            step = _train_step(name, cfg, backend, env.device)
+            if backend != "reference" and name != "Standard":
+                row.depth_read = ak.ops.resolve_backend(backend, env.device, cfg.d_model, torch.bfloat16)
+            step = _train_step(name, cfg, backend, env.device, graphed)
             step()
             if env.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(env.device)
@@ -1021,7 +1031,9 @@ def markdown(
             f"batch {cfg.batch}, vocab {cfg.vocab}, Block with {cfg.layers_per_block} layers per block. "
             "device ms/step: the kernels' time of one step (torch.profiler over 2 steps); bound by `host` when "
             "issuing a step takes the host longer than that (ms/step then exceeds the device time). The model's "
-            "`backend` runs its attention too, except in the `cuda` rows (CUDA C++ depth reads, Triton attention).",
+            "`backend` runs its attention too, except in the `cuda` rows (CUDA C++ depth reads, Triton attention). "
+            "`CUDA graph`: the model's forward and backward captured by `torch.cuda.make_graphed_callables` and "
+            "replayed (autocast without its cast cache), the loss and the AdamW step eager.",
             "",
             "| model | depth read | status | ms/step | × Standard | tokens/s | peak MiB | device ms/step | bound by |",
             "|---|---|---|---|---|---|---|---|---|",

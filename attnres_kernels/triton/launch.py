@@ -228,16 +228,19 @@ def _slot_offsets(tensors: list, pointers: list, bounds: tuple) -> list:
 # each other (the next training step, where the caching allocator hands out the same addresses) reuses the device
 # copy instead of paying a pinned host-to-device copy per launch. A table is never written once made, and is read
 # only on the stream its copy was queued on; none is kept while a CUDA graph is captured (the graph could outlive
-# the cache entry).
+# the cache entry). A table made during a capture is copied from pinned host memory each time the graph replays:
+# that host memory is kept for the life of the process (a few hundred bytes per captured launch), so that no
+# later allocation can reuse it under a graph.
 _TABLES: dict = {}
 _MAX_TABLES = 4096
+_CAPTURED_HOST_TABLES: list = []
 
 
 def _int64_tables(parts: tuple, device: torch.device) -> tuple:
     """The int64 lists ``parts`` as tensors on ``device``: views of one table, made with one copy."""
     if device.type == "cuda":
         if torch.cuda.is_current_stream_capturing():
-            return _make_tables(parts, device)
+            return _make_tables(parts, device, keep_host_copy=True)
         key = (device, torch.cuda.current_stream(device).cuda_stream, *map(tuple, parts))
     else:
         key = (device, *map(tuple, parts))
@@ -249,10 +252,13 @@ def _int64_tables(parts: tuple, device: torch.device) -> tuple:
     return tables
 
 
-def _make_tables(parts: tuple, device: torch.device) -> tuple:
+def _make_tables(parts: tuple, device: torch.device, keep_host_copy: bool = False) -> tuple:
     table = torch.tensor([v for part in parts for v in part], dtype=torch.int64)
     if device.type == "cuda":  # pinned + non_blocking: no stream synchronization
-        table = table.pin_memory().to(device, non_blocking=True)
+        pinned = table.pin_memory()
+        if keep_host_copy:
+            _CAPTURED_HOST_TABLES.append(pinned)
+        table = pinned.to(device, non_blocking=True)
     return tuple(table.split([len(part) for part in parts]))
 
 
@@ -309,7 +315,9 @@ def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
-    return torch.tensor(layout.order, device=device)
+    """The slot order as an int64 device tensor (through the launch tables: no synchronizing copy, none in a
+    CUDA graph capture)."""
+    return _int64_tables((layout.order,), device)[0]
 
 
 def _dtypes(sources, prefix_out, options: ReadOptions) -> tuple:
