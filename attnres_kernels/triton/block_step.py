@@ -321,8 +321,10 @@ def block_step_bwd(
     grad_total = new_partial.new_empty(new_partial.shape)
     grad_prefix_out = prefix_out.new_empty(prefix_out.shape)
     grad_prefix_lse = prefix_lse.new_empty(prefix_lse.shape)
-    grad_u = new_partial.new_zeros((dim,), dtype=acc_torch)
-    grad_g = new_partial.new_zeros((dim,), dtype=acc_torch) if out_norm_weight is not None else None
+    # With rows, the column sums write every entry of grad_u and grad_g; without, they are zero.
+    new_param_grad = new_partial.new_empty if m > 0 else new_partial.new_zeros
+    grad_u = new_param_grad((dim,), dtype=acc_torch)
+    grad_g = new_param_grad((dim,), dtype=acc_torch) if out_norm_weight is not None else None
     if m > 0:
         n_programs = cdiv(m, BWD_ROWS)
         du_part = new_partial.new_empty((n_programs, dim), dtype=acc_torch)

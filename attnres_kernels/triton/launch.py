@@ -310,8 +310,11 @@ def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A ``[Q, D]`` gradient summed to the parameter's shape and cast to its dtype."""
-    return (grad.sum(0) if param.dim() == 1 else grad).to(param.dtype)
+    """A ``[Q, D]`` gradient summed to the parameter's shape and cast to its dtype (one site: its row,
+    no reduction kernel)."""
+    if param.dim() == 1:
+        grad = grad[0] if grad.shape[0] == 1 else grad.sum(0)
+    return grad.to(param.dtype)
 
 
 def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
@@ -429,17 +432,19 @@ def depth_attn_bwd(
     # Every gradient is allocated contiguous (the kernels write row-major), whatever the input strides,
     # each in its source's dtype.
     grad_sources = [s.new_empty(s.shape) for s in sources]
-    grad_u = u.new_zeros(u.shape)
     has_prefix, has_norm = prefix_out is not None, out_norm_weight is not None
     grad_prefix_out = prefix_out.new_zeros(prefix_out.shape) if has_prefix else first.new_empty((0,))
     grad_prefix_lse = prefix_lse.new_zeros(prefix_lse.shape) if has_prefix else u.new_empty((0,))
-    grad_g = u.new_zeros(u.shape) if has_norm else None
-    if first.numel() > 0:
+    if first.numel() > 0:  # the column sums write every entry of grad_u and grad_g
+        grad_u = u.new_empty(u.shape)
+        grad_g = u.new_empty(u.shape) if has_norm else None
         _depth_attn_bwd_launch(
             grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, options,
             grad_u, grad_prefix_out, grad_prefix_lse, grad_g, compute_dtype,
         )  # fmt: skip
     else:
+        grad_u = u.new_zeros(u.shape)
+        grad_g = u.new_zeros(u.shape) if has_norm else None
         for gs in grad_sources:
             gs.zero_()
     if options.scale != 1.0:  # grad_u is the gradient of u = scale · query ⊙ norm_weight
