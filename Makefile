@@ -35,8 +35,11 @@ demo: $(VENV)/.built
 # `make test` runs both parts; `make -j2 test` runs them side by side (CI does, with cuda-build).
 test: pytest aot-check
 
+# pytest-xdist workers: the suite is mostly single-threaded (Triton's interpreter, the SIMT harness, Python-level
+# checks), so two workers take about a third off its time on a 2-core machine. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 pytest: $(VENV)/.dev $(VENV)/.built
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(ARGS)
 
 aot-check: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m attnres_kernels.check
