@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,6 +23,16 @@
 namespace attnres::cuda {
 namespace {
 
+// A copy captured in a CUDA graph reads its pinned source each time the graph replays: the staging buffers of
+// the tables copied during a capture are kept for the life of the process (a few hundred bytes per captured
+// launch), so that no later allocation reuses them under a graph.
+void keep_for_graph_replays(at::Tensor staged) {
+  static std::mutex mutex;
+  static std::vector<at::Tensor> kept;
+  const std::lock_guard<std::mutex> lock(mutex);
+  kept.push_back(std::move(staged));
+}
+
 struct CudaRuntime {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -32,7 +43,11 @@ struct CudaRuntime {
     const auto bytes = static_cast<int64_t>(refs.size() * sizeof(RowRef));
     at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     std::memcpy(host.mutable_data_ptr(), refs.data(), bytes);
-    return host.to(device, /*non_blocking=*/true);
+    at::Tensor table = host.to(device, /*non_blocking=*/true);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (capture != cudaStreamCaptureStatusNone) keep_for_graph_replays(std::move(host));
+    return table;
   }
 
   void track(const char*, const at::Tensor&) {}
