@@ -435,16 +435,16 @@ def depth_attn_bwd(
     has_prefix, has_norm = prefix_out is not None, out_norm_weight is not None
     grad_prefix_out = prefix_out.new_zeros(prefix_out.shape) if has_prefix else first.new_empty((0,))
     grad_prefix_lse = prefix_lse.new_zeros(prefix_lse.shape) if has_prefix else u.new_empty((0,))
-    if first.numel() > 0:  # the column sums write every entry of grad_u and grad_g
-        grad_u = u.new_empty(u.shape)
-        grad_g = u.new_empty(u.shape) if has_norm else None
+    # With rows, the column sums write every entry of grad_u and grad_g; without, they are zero.
+    new_param_grad = u.new_empty if first.numel() > 0 else u.new_zeros
+    grad_u = new_param_grad(u.shape)
+    grad_g = new_param_grad(u.shape) if has_norm else None
+    if first.numel() > 0:
         _depth_attn_bwd_launch(
             grad_out, grad_lse, grad_logits, sources, grad_sources, u, g, prefix_out, prefix_lse, logits, rinv, options,
             grad_u, grad_prefix_out, grad_prefix_lse, grad_g, compute_dtype,
         )  # fmt: skip
     else:
-        grad_u = u.new_zeros(u.shape)
-        grad_g = u.new_zeros(u.shape) if has_norm else None
         for gs in grad_sources:
             gs.zero_()
     if options.scale != 1.0:  # grad_u is the gradient of u = scale · query ⊙ norm_weight
