@@ -80,9 +80,12 @@ cmake: $(VENV)/.runtime
 # ahead-of-time check already compiles every kernel for sm_80 and sm_90.
 CUDA_SRC := build/cuda-src
 CUDA_BUILD_ARCHS ?= 8.0
-cuda-build:
+$(CUDA_VENV)/.installed:
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install $(CUDA_TORCH) numpy setuptools wheel ninja
+	touch $@
+
+cuda-build: $(CUDA_VENV)/.installed
 	rm -rf $(CUDA_SRC) && mkdir -p $(CUDA_SRC)
 	cp -r setup.py pyproject.toml README.md csrc attnres_kernels $(CUDA_SRC)/
 	rm -f $(CUDA_SRC)/attnres_kernels/_C*.so
