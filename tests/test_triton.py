@@ -28,6 +28,34 @@ def poisoned_allocations(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "new_empty", new_empty_nan)
 
 
+@pytest.mark.skipif(not triton_backend.INTERPRETING, reason="a GPU rounds fp32 -> bf16 to nearest even itself")
+def test_the_interpreter_rounds_bf16_as_a_gpu_does():
+    """The test setup (conftest.py) makes Triton's interpreter round fp32 -> bf16 to nearest even, ties to even,
+    NaN kept, as a GPU and PyTorch do (unpatched it drops the low 16 bits): explicit casts and stores alike."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def cast_and_store(x_ptr, cast_ptr, store_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n)
+        tl.store(cast_ptr + offs, x.to(tl.bfloat16), mask=offs < n)
+        tl.store(store_ptr + offs, x, mask=offs < n)
+
+    ulp = 2.0**-7  # of bf16 at 1.0
+    ties = [1 + ulp / 2, 1 + 1.5 * ulp, -(1 + ulp / 2)]  # to even: 1, 1 + 2 ulp, -1
+    special = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.0e38, 1e-40]
+    x = torch.cat([torch.randn(1000), torch.tensor(ties + special)]).float()
+    cast, stored = torch.empty(x.shape, dtype=torch.bfloat16), torch.empty(x.shape, dtype=torch.bfloat16)
+    cast_and_store[(1,)](x, cast, stored, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    expected = x.to(torch.bfloat16)
+    for got in (cast, stored):
+        assert torch.equal(got.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        assert torch.equal(got[finite].view(torch.int16), expected[finite].view(torch.int16))
+    assert (x.to(torch.bfloat16) != (x.view(torch.int32) & -65536).view(torch.float32)).sum() > 300
+
+
 def _run(backend, sources, w, g, g_out, h_a=None, lse_a=None):
     srcs = [s.clone().requires_grad_() for s in sources]
     params = [p.clone().requires_grad_() for p in (w, g, g_out)]
