@@ -171,6 +171,25 @@ def test_multi_site_bf16_forward_streams_its_output_rows(q):
     compare_read("cpu", make_sources(5, (2100,), 1024, torch.bfloat16), q=q, out_norm=False)
 
 
+@pytest.mark.parametrize(
+    "n,rows,d,q,dtype",
+    [
+        (9, 40, 100, None, torch.bfloat16),  # two groups of sources (5 + 4), a tail past 96
+        (17, 40, 64, 3, torch.bfloat16),  # three (6 + 6 + 5), 3 sites
+        (17, 300, 1024, None, torch.float32),  # 20 MiB of source gradients: streamed
+        (33, 20, 48, 2, torch.float32),  # five groups (7 + 7 + 7 + 6 + 6)
+    ],
+)
+def test_backward_sweep_over_many_sources(n, rows, d, q, dtype):
+    """The source-gradient sweep takes more than 8 sources in groups, each adding its part of du: outputs and
+    all gradients against the reference, with and without the output norm."""
+    from test_fused_reads import compare_read
+
+    sources = make_sources(n, (rows,), d, dtype)
+    for out_norm in (False, True):
+        compare_read("cpu", sources, q=q, out_norm=out_norm)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sharp_softmax_weights_below_the_normal_range(dtype):
     # Logits ~100 apart: many softmax weights fall below the smallest normal

@@ -1202,23 +1202,22 @@ void depth_attn_fwd_impl(const SourceRows& in, const at::Tensor& u_t, const at::
 
 // ---------------------------------------------------------------- backward
 
-// The source gradients of one row set, in one sweep over its rows (in cache after the dot
-// products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to src_t and written to dv[i]
-// (streamed when `stream`: rows aligned to the vector size), and du_q += Σ_i c1_qi v_i. do, u
-// and du are in the sum order (kSplitSumOrder); bf16 results go back into place through
-// bf16_from_even_odd. The G = Q <= kSweepSites sites keep their du sums in registers over the
-// sources. (The general path converts every row to acc_t and sums du in a pass of its own: for
-// bf16 that conversion and the extra passes cost more than the memory traffic, and for fp32 the
-// extra passes over several sites' rows do.) With next_row_bytes (source i's next row starts
-// next_row_bytes[i] bytes after its row), each vector pair prefetches the same columns of the next
-// row: the lines of the next row set spread over the sweep, as a LinePrefetcher would walk them,
-// at one instruction each (a LinePrefetcher's bookkeeping per step cost 10-13 % of the bf16 sweeps).
-// Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
+// The source-gradient sweep (source_grads_rows) reads and writes the same columns of every source's row
+// at each step. The op's outputs start on page boundaries and PyTorch's large tensors 64 bytes after
+// one, so the lines of a step fall into one or two sets of the 8-way L1 cache (and the next row's, which
+// the step prefetches, into the same ones): our reading of why many sources at once ran slowly (this
+// VM has no cache counters). The sweep takes the sources in groups of at most this many. Zen 3, 8192
+// rows, D=1024, fp32, 2 threads, alternating runs: N=33, one site 244 / 233 -> 134 / 135 ms (52 / 47 %
+// -> 90 / 80 % of a copy's rate); N=17, 3 sites + out norm 143 / 147 -> 121 / 128 ms; N=9, N=17 at one
+// site and bf16 within the noise. (Groups of 4 measured the same as of 8.)
+constexpr int64_t kSourcesPerSweep = 8;
+
+// source_grads_rows over the sources i0 <= i < i1 of n.
 template <int G, typename src_t>
-C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1, const float* c2,
-                                    const float* do_sum_order, const float* u_sum_order, float* du_sum_order,
-                                    int64_t dim, src_t* const* dv, bool stream, Bf16LineStreams& bf16_streams,
-                                    const int64_t* next_row_bytes) {
+C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int64_t i1, int64_t n, const float* a,
+                                          const float* c1, const float* c2, const float* do_sum_order,
+                                          const float* u_sum_order, float* du_sum_order, int64_t dim, src_t* const* dv,
+                                          bool stream, Bf16LineStreams& bf16_streams, const int64_t* next_row_bytes) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
@@ -1234,7 +1233,7 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
     constexpr int P = decltype(pairs)::value;
     constexpr int K = 2 * P;  // float vectors per step
     for (; d + K * W <= dim; d += K * W) {
-      // These vectors of every site's do and u, loaded once for the n sources.
+      // These vectors of every site's do and u, loaded once for the group's sources.
       fVec du_v[G][K], do_v[G][K], u_v[G][K];
 #pragma GCC unroll 4
       for (int q = 0; q < G; ++q) {
@@ -1244,7 +1243,7 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
           u_v[q][k] = fVec::loadu(u_sum_order + q * dim + d + k * W);
         }
       }
-      for (int64_t i = 0; i < n; ++i) {
+      for (int64_t i = i0; i < i1; ++i) {
         if (next_row_bytes != nullptr) {
           const char* next = reinterpret_cast<const char*>(v[i] + d) + next_row_bytes[i];
           for (int64_t line = 0; line < int64_t(K * W * sizeof(src_t)); line += 64) {
@@ -1295,7 +1294,7 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
   if constexpr (Bf16LineStreams::kHalfLines && kSplitSumOrder<src_t> && G == 1) steps(std::integral_constant<int, 2>{});
   steps(std::integral_constant<int, 1>{});  // (the last pair of a row of an odd count of pairs)
   for (; d < dim; ++d) {
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = i0; i < i1; ++i) {
       const float x = static_cast<float>(v[i][d]);
       float g = -c2[i] * x;
       for (int q = 0; q < G; ++q) {
@@ -1305,6 +1304,33 @@ C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const floa
       }
       dv[i][d] = static_cast<src_t>(g);
     }
+  }
+}
+
+// The source gradients of one row set, in one sweep over its rows (in cache after the dot
+// products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to src_t and written to dv[i]
+// (streamed when `stream`: rows aligned to the vector size), and du_q += Σ_i c1_qi v_i. do, u
+// and du are in the sum order (kSplitSumOrder); bf16 results go back into place through
+// bf16_from_even_odd. The G = Q <= kSweepSites sites keep their du sums in registers over the
+// sources. (The general path converts every row to acc_t and sums du in a pass of its own: for
+// bf16 that conversion and the extra passes cost more than the memory traffic, and for fp32 the
+// extra passes over several sites' rows do.) With next_row_bytes (source i's next row starts
+// next_row_bytes[i] bytes after its row), each vector pair prefetches the same columns of the next
+// row: the lines of the next row set spread over the sweep, as a LinePrefetcher would walk them,
+// at one instruction each (a LinePrefetcher's bookkeeping per step cost 10-13 % of the bf16 sweeps).
+// Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
+template <int G, typename src_t>
+C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1, const float* c2,
+                                    const float* do_sum_order, const float* u_sum_order, float* du_sum_order,
+                                    int64_t dim, src_t* const* dv, bool stream, Bf16LineStreams& bf16_streams,
+                                    const int64_t* next_row_bytes) {
+  // The sources in groups of at most kSourcesPerSweep (as even as they come), one sweep over the columns
+  // per group; du takes each group's sums.
+  const int64_t groups = (n + kSourcesPerSweep - 1) / kSourcesPerSweep;
+  const int64_t group = (n + groups - 1) / groups;
+  for (int64_t i0 = 0; i0 < n; i0 += group) {
+    sweep_source_group<G>(v, i0, std::min(n, i0 + group), n, a, c1, c2, do_sum_order, u_sum_order, du_sum_order, dim,
+                          dv, stream, bf16_streams, next_row_bytes);
   }
 }
 
