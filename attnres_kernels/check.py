@@ -3,16 +3,16 @@
     python -m attnres_kernels.check [--arch 80 90] [--dtype bfloat16 float32 float64] [--backend all|triton|cuda]
 
 - Triton: every kernel configuration the launchers can choose is compiled for
-  each architecture and assembled with ``ptxas -v``
-  (:mod:`attnres_kernels.triton.check`).
+  each architecture down to the cubin, the report of Triton's own ``ptxas -v``
+  run read (:mod:`attnres_kernels.triton.check`).
 - CUDA: ``csrc/cuda/tools/aot_check.cu`` is compiled with ``nvcc -Xptxas -v`` for
   each architecture, which instantiates every kernel the launchers can choose,
   and run on the host: it checks that every launch plan maps to a compiled kernel
   and reports each kernel's largest dynamic shared memory.
 
 Prints one line per kernel × configuration × architecture, starting with the
-backend name, with registers, spill bytes and shared memory (Triton: static, as
-ptxas reports it; CUDA: the largest dynamic allocation of any launch). Exits
+backend name, with registers, spill bytes and shared memory (Triton: ptxas's static
+plus Triton's dynamic allocation; CUDA: the largest dynamic allocation of any launch). Exits
 non-zero on any compile failure or spill.
 """
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 # Importing the Triton check switches off TRITON_INTERPRET (it needs real JIT functions).
-from .triton.check import DTYPES, HEADER, _default_ptxas, format_line
+from .triton.check import DTYPES, HEADER, format_line
 from .triton.check import run as run_triton
 
 AOT_SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "tools" / "aot_check.cu"
@@ -129,7 +129,6 @@ def main(argv=None) -> int:
         help="source dtypes of the Triton configurations (the CUDA kernels take every dtype at run time)",
     )
     parser.add_argument("--backend", choices=["all", "triton", "cuda"], default="all")
-    parser.add_argument("--ptxas", default=_default_ptxas(), help="ptxas for the Triton PTX")
     parser.add_argument("--nvcc", default=shutil.which("nvcc"), help="nvcc for the CUDA kernels")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
@@ -138,10 +137,7 @@ def main(argv=None) -> int:
     emit = lambda line: print(line, flush=True)
     counts, failures = {}, 0
     if args.backend in ("all", "triton"):
-        if args.ptxas is None:
-            print("ptxas not found (install the CUDA toolkit or pass --ptxas)", file=sys.stderr)
-            return 2
-        counts["Triton kernel configurations"], failed = run_triton(args.arch, args.dtype, args.ptxas, args.jobs, emit)
+        counts["Triton kernel configurations"], failed = run_triton(args.arch, args.dtype, args.jobs, emit)
         failures += failed
     if args.backend in ("all", "cuda"):
         if args.nvcc is None:

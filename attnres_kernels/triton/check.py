@@ -5,8 +5,9 @@
 For each launch an op family's ``aot_launches(dtype)`` lists (every kernel ×
 tile/warp configuration its dispatcher can select, see :data:`AOT_FAMILIES`)
 × dtype × architecture, compiles the kernel with Triton for a ``GPUTarget`` (feature
-flags at their most register-hungry setting), runs ``ptxas -v`` on the PTX and
-prints registers, spill bytes and shared memory. Exits non-zero on any
+flags at their most register-hungry setting) down to the cubin, reads the report of
+the ``ptxas -v`` run Triton makes for it (its own ptxas, or ``TRITON_PTXAS_PATH``'s),
+and prints registers, spill bytes and shared memory. Exits non-zero on any
 compile failure or spill.
 """
 
@@ -14,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import importlib
+import io
 import os
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -30,6 +30,7 @@ if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise SystemExit("run the AOT check in a fresh process without TRITON_INTERPRET=1")
 
 import torch
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.compiler import compile as triton_compile
@@ -53,40 +54,32 @@ PTX_TARGET = re.compile(r"^\.target\s+(sm_\w+)", re.MULTILINE)
 SMEM_LIMIT = 101376
 
 
-def _compile_ptx(kernel, args, constexprs, launch_options, arch):
+def _compile(kernel, args, constexprs, launch_options, arch):
+    """Compiles one launch for ``arch`` through Triton's whole pipeline, down to the cubin its own
+    ``ptxas -v`` assembles (the ptxas and flags of a launch on a GPU); returns (registers, spill
+    bytes, shared memory bytes: ptxas's static + Triton's dynamic)."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     kwargs = dict(constexprs, **launch_options)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
-    compiled = triton_compile(ASTSource(kernel, signature, constants, attrs), target=target, options=options.__dict__)
-    return compiled.asm["ptx"], compiled.metadata.shared
-
-
-def _ptxas(ptx: str, ptxas: str):
-    gpu_name = PTX_TARGET.search(ptx).group(1)  # e.g. sm_90a: Triton targets the arch-specific ISA
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        result = subprocess.run(
-            [ptxas, "-v", f"--gpu-name={gpu_name}", path, "-o", os.path.join(tmp, "k.cubin")],
-            capture_output=True,
-            text=True,
-        )
-    if result.returncode != 0:
-        raise RuntimeError(result.stderr.strip())
-    report = result.stderr
+    source = ASTSource(kernel, signature, constants, attrs)
+    log = io.StringIO()
+    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # printed after the cubin stage's ptxas run
+        knobs.compilation.always_compile = True  # (a cached kernel would skip that stage)
+        compiled = triton_compile(source, target=target, options=options.__dict__)
+    report = log.getvalue()
     regs = int(PTXAS_LINE.search(report).group(1))
     spill_st, spill_ld = (int(x) for x in SPILL.search(report).groups())
-    smem = SMEM.search(report)
-    return regs, spill_st + spill_ld, int(smem.group(1)) if smem else 0
+    static_smem = SMEM.search(report)
+    return regs, spill_st + spill_ld, (int(static_smem.group(1)) if static_smem else 0) + compiled.metadata.shared
 
 
 def _check_one(job):
     """Compiles and assembles one (kernel, configuration, dtype, arch); returns its report line and status."""
-    module_name, name, config, dtype_name, arch, ptxas = job
+    module_name, name, config, dtype_name, arch = job
     launch = next(
         x
         for x in importlib.import_module(module_name).aot_launches(DTYPES[dtype_name])
@@ -94,11 +87,9 @@ def _check_one(job):
     )
     line = format_line("triton", name, dtype_name, config, arch)
     try:
-        ptx, dynamic_smem = _compile_ptx(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
-        regs, spill, static_smem = _ptxas(ptx, ptxas)
+        regs, spill, smem = _compile(launch.kernel, launch.args, launch.constexprs, launch.options, arch)
     except Exception as exc:  # every failure is reported, then fails the run
         return f"{line} FAILED: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", False
-    smem = static_smem + dynamic_smem
     problems = ("  SPILLS" if spill else "") + ("  SMEM" if smem > SMEM_LIMIT else "")
     return f"{line} {regs:5d} {spill:7d} {smem:7d}{problems}", not problems
 
@@ -116,11 +107,11 @@ def format_line(backend: str, kernel: str, dtype_name: str, config: str, arch: i
     return f"{backend:7s} {kernel:30s} {dtype_name:9s} {config:34s} {'sm_' + str(arch):>6s}"
 
 
-def run(archs, dtype_names, ptxas: str, max_workers: int, emit=print) -> tuple:
+def run(archs, dtype_names, max_workers: int, emit=print) -> tuple:
     """Compiles every launch of every family for ``archs`` × ``dtype_names``; calls
     ``emit`` with each report line; returns (number of jobs, number failing)."""
     jobs = [
-        (module_name, launch.name, launch.config, dtype_name, arch, ptxas)
+        (module_name, launch.name, launch.config, dtype_name, arch)
         for module_name in AOT_FAMILIES
         for dtype_name in dtype_names
         for launch in importlib.import_module(module_name).aot_launches(DTYPES[dtype_name])
@@ -134,30 +125,15 @@ def run(archs, dtype_names, ptxas: str, max_workers: int, emit=print) -> tuple:
     return len(jobs), failures
 
 
-def _default_ptxas():
-    bundled = os.path.join(
-        os.path.dirname(triton_compile.__code__.co_filename), "..", "backends", "nvidia", "bin", "ptxas"
-    )
-    return shutil.which("ptxas") or (os.path.normpath(bundled) if os.path.exists(bundled) else None)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", nargs="+", type=int, default=[80, 90])
     parser.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["bfloat16", "float32", "float64"])
-    parser.add_argument(
-        "--ptxas",
-        default=_default_ptxas(),
-        help="ptxas binary (default: the CUDA toolkit's on PATH, else the one Triton ships)",
-    )
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
-    if args.ptxas is None:
-        print("ptxas not found (install the CUDA toolkit or pass --ptxas)", file=sys.stderr)
-        return 2
     start = time.time()
     print(HEADER)
-    count, failures = run(args.arch, args.dtype, args.ptxas, args.jobs, emit=lambda line: print(line, flush=True))
+    count, failures = run(args.arch, args.dtype, args.jobs, emit=lambda line: print(line, flush=True))
     print(
         f"{'FAILED' if failures else 'OK'}: {count} Triton kernel configurations compiled for "
         f"{', '.join('sm_' + str(a) for a in args.arch)}, {failures} failing, {time.time() - start:.0f} s"
