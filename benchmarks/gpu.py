@@ -61,7 +61,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -121,21 +120,21 @@ class Env:
             import triton.testing
 
             return tuple(triton.testing.do_bench(fn, rep=self.rep_ms, quantiles=QUANTILES))
-        times = []
-        for _ in range(2):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        times.sort()
-        return statistics.median(times), times[0], times[-1]
+        start = time.perf_counter()  # a dry run times one call (its times mean nothing)
+        fn()
+        elapsed = (time.perf_counter() - start) * 1e3
+        return elapsed, elapsed, elapsed
 
     def split(self, fn: Callable, calls: int = 10) -> Split:
         """Host µs and device ms per call of ``fn`` (after one warm-up call). The host time is that of
         ``calls`` calls issued without synchronizing: the cost of the Python call path and the launches,
         which is the wall time whenever the device runs ahead of the host. The device time is the
-        kernels' time summed by the profiler over ``calls`` more calls. A dry run makes one call of each
-        and measures no device time."""
-        calls = 1 if self.dry_run else calls
+        kernels' time summed by the profiler over ``calls`` more calls. A dry run makes one call, without
+        the warm-up (every split follows a :meth:`timer` of the same ``fn``), and measures no device time."""
+        if self.dry_run:
+            start = time.perf_counter()
+            fn()
+            return Split((time.perf_counter() - start) * 1e6, None)
         fn()
         self.synchronize()
         start = time.perf_counter()
@@ -143,8 +142,6 @@ class Env:
             fn()
         host_us = (time.perf_counter() - start) / calls * 1e6
         self.synchronize()
-        if self.device.type != "cuda":
-            return Split(host_us, None)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 fn()
@@ -743,8 +740,8 @@ def bench_models(cfg: ModelConfig, env: Env) -> list:
             if backend != "reference" and name != "Standard":
                 row.depth_read = ak.ops.resolve_backend(backend, env.device, cfg.d_model, torch.bfloat16)
             step = _train_step(name, cfg, backend, env.device, graphed)
-            step()
-            if env.device.type == "cuda":
+            if env.device.type == "cuda":  # (a dry run's times mean nothing: no warm-up step)
+                step()
                 torch.cuda.reset_peak_memory_stats(env.device)
             row.step_ms = env.timer(step)
             row.tokens_per_s = cfg.batch * cfg.seq / row.step_ms[0] * 1e3
