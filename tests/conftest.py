@@ -53,7 +53,23 @@ if _xdist_workers > 1:
     os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 
+# Modules with the suite's longest tests (tens of seconds each: process groups, torch.compile, a benchmark's
+# dry run), run first: pytest-xdist hands out the last tests one by one, and one of these at the end kept one
+# worker busy while the other had nothing left.
+LONGEST_FIRST = (
+    "test_nn_compile.py",
+    "test_gpu_benchmark_script.py",
+    "test_hf_inkling2.py",
+    "test_train.py",
+    "test_tensor_parallel.py",
+    "test_distributed.py",
+    "test_dcp.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # (stable: the rest keep their order)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
