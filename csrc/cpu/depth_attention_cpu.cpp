@@ -1215,7 +1215,7 @@ constexpr int64_t kSourcesPerSweep = 8;
 // source_grads_rows over the sources i0 <= i < i1 of n.
 template <int G, typename src_t>
 C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int64_t i1, int64_t n, const float* a,
-                                          const float* c1, const float* c2, const float* do_sum_order,
+                                          const float* c1, const float* neg_c2, const float* do_sum_order,
                                           const float* u_sum_order, float* du_sum_order, int64_t dim, src_t* const* dv,
                                           bool stream, Bf16LineStreams& bf16_streams, const int64_t* next_row_bytes) {
   using fVec = Vectorized<float>;
@@ -1253,7 +1253,7 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
         fVec x[K], g[K];
         for (int p = 0; p < P; ++p)
           std::tie(x[2 * p], x[2 * p + 1]) = vectors_for_sums<src_t, float>(v[i] + d + p * 2 * W);
-        for (int k = 0; k < K; ++k) g[k] = x[k] * fVec(-c2[i]);
+        for (int k = 0; k < K; ++k) g[k] = x[k] * fVec(neg_c2[i]);
 #pragma GCC unroll 4
         for (int q = 0; q < G; ++q) {
           const int64_t qi = q * n + i;
@@ -1296,7 +1296,7 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
   for (; d < dim; ++d) {
     for (int64_t i = i0; i < i1; ++i) {
       const float x = static_cast<float>(v[i][d]);
-      float g = -c2[i] * x;
+      float g = neg_c2[i] * x;
       for (int q = 0; q < G; ++q) {
         const int64_t qi = q * n + i;
         g += a[qi] * do_sum_order[q * dim + d] + c1[qi] * u_sum_order[q * dim + d];
@@ -1308,7 +1308,7 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
 }
 
 // The source gradients of one row set, in one sweep over its rows (in cache after the dot
-// products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) - c2_i v_i, rounded to src_t and written to dv[i]
+// products): dv_i = Σ_q (a_qi do_q + c1_qi u_q) + neg_c2_i v_i, rounded to src_t and written to dv[i]
 // (streamed when `stream`: rows aligned to the vector size), and du_q += Σ_i c1_qi v_i. do, u
 // and du are in the sum order (kSplitSumOrder); bf16 results go back into place through
 // bf16_from_even_odd. The G = Q <= kSweepSites sites keep their du sums in registers over the
@@ -1320,17 +1320,17 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
 // at one instruction each (a LinePrefetcher's bookkeeping per step cost 10-13 % of the bf16 sweeps).
 // Not inlined: inside the row loop's body GCC spilled the 6 G vectors of do, u and du to the stack.
 template <int G, typename src_t>
-C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1, const float* c2,
-                                    const float* do_sum_order, const float* u_sum_order, float* du_sum_order,
-                                    int64_t dim, src_t* const* dv, bool stream, Bf16LineStreams& bf16_streams,
-                                    const int64_t* next_row_bytes) {
+C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1,
+                                    const float* neg_c2, const float* do_sum_order, const float* u_sum_order,
+                                    float* du_sum_order, int64_t dim, src_t* const* dv, bool stream,
+                                    Bf16LineStreams& bf16_streams, const int64_t* next_row_bytes) {
   // The sources in groups of at most kSourcesPerSweep (as even as they come), one sweep over the columns
   // per group; du takes each group's sums.
   const int64_t groups = (n + kSourcesPerSweep - 1) / kSourcesPerSweep;
   const int64_t group = (n + groups - 1) / groups;
   for (int64_t i0 = 0; i0 < n; i0 += group) {
-    sweep_source_group<G>(v, i0, std::min(n, i0 + group), n, a, c1, c2, do_sum_order, u_sum_order, du_sum_order, dim,
-                          dv, stream, bf16_streams, next_row_bytes);
+    sweep_source_group<G>(v, i0, std::min(n, i0 + group), n, a, c1, neg_c2, do_sum_order, u_sum_order, du_sum_order,
+                          dim, dv, stream, bf16_streams, next_row_bytes);
   }
 }
 
@@ -1536,12 +1536,12 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
     // un-normalized read h_q (do_sum_order: in the sum order, for sweep rows);
     // hbuf: recomputed h_q (out-norm only; in the sum order for sweep rows); alpha/dp: softmax weights
     // and the gradient of α_qi (<do_q, value_i>); weight: α_qi, or α_qi r_i for
-    // normalised values (the factor of v_i in h_q); c1_qi = ds_qi r_i and c2_i:
-    // the coefficients of u_q and v_i in dv_i; du_sum_order: the sweep rows' du sums of
-    // the last rows, before they go to the chunk's double partial.
+    // normalised values (the factor of v_i in h_q); c1_qi = ds_qi r_i and neg_c2_i:
+    // the coefficients of u_q and v_i in dv_i (neg_c2 = -c2, negated once per row, not per vector); du_sum_order: the
+    // sweep rows' du sums of the last rows, before they go to the chunk's double partial.
     std::vector<acc_t> rowbuf(sweep_rows ? 0 : slots.size), do_(Q * D), hbuf(g != nullptr ? Q * D : 0), vbuf(D);
     std::vector<acc_t> dvbuf(D), tmp(D);
-    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), c2(N), dots(Q);
+    std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), neg_c2(N), dots(Q);
     std::vector<acc_t> scaled_alpha(normalize_values ? Q * N : 0);
     std::vector<float> do_sum_order(sweep_rows ? Q * D : 0), du_sum_order(sweep_rows ? Q * D : 0);
     Bf16LineStreams bf16_streams(stream_rows && src_bf16 ? N : 0);
@@ -1675,15 +1675,15 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             c1[qi] = ds * r;
             c2_i += ds * logits[qi * M + p] + (normalize_values ? alpha[qi] * dp[qi] : acc_t(0));
           }
-          c2[i] = c2_i * r * r * inv_d;
+          neg_c2[i] = -(c2_i * r * r * inv_d);
         }
         if constexpr (std::is_same_v<acc_t, float>) {
           if (sweep_rows) {
             with_sweep_types([&](auto sites, auto tag) {
               const auto [src_rows, grad_rows] = sweep_rows_of(tag);
-              source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), c2.data(), do_sum_order.data(),
-                                                        u_sum_order.data(), du_sum_order.data(), D, grad_rows,
-                                                        stream_rows, bf16_streams,
+              source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), neg_c2.data(),
+                                                        do_sum_order.data(), u_sum_order.data(), du_sum_order.data(), D,
+                                                        grad_rows, stream_rows, bf16_streams,
                                                         rows_ahead > 0 ? src_row_bytes.data() : nullptr);
               for (int64_t q = 0; flush && q < Q; ++q) {
                 accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
@@ -1704,7 +1704,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           for (; d + Vec::size() <= D; d += Vec::size()) {
             next_row.step();
             const Vec vv = Vec::loadu(vi + d);
-            Vec dv = vv * Vec(-c2[i]);
+            Vec dv = vv * Vec(neg_c2[i]);
             for (int64_t q = 0; q < Q; ++q) {
               dv = at::vec::fmadd(Vec(weight[q * N + i]), Vec::loadu(do_.data() + q * D + d), dv);
               dv = at::vec::fmadd(Vec(c1[q * N + i]), Vec::loadu(u + q * D + d), dv);
@@ -1712,7 +1712,7 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
             dv.store(dv_row + d);
           }
           for (; d < D; ++d) {
-            acc_t dv = -c2[i] * vi[d];
+            acc_t dv = neg_c2[i] * vi[d];
             for (int64_t q = 0; q < Q; ++q) dv += weight[q * N + i] * do_[q * D + d] + c1[q * N + i] * u[q * D + d];
             dv_row[d] = dv;
           }
