@@ -482,16 +482,16 @@ inline void store_streaming(const Vectorized<T>& v, T* p) {
   v.store(p);
 }
 
-// Non-temporal stores of rounded bf16 vector pairs into several rows at once (a sweep's output or
-// gradient rows), a whole cache line at a time. With AVX2 a pair of float vectors rounds to 32
+// Non-temporal stores of rounded bf16 vector pairs into several rows at once (the multi-site forward's
+// output rows), a whole cache line at a time. With AVX2 a pair of float vectors rounds to 32
 // bytes, half a line: streamed as they were done, a sweep over N rows left N half-written lines in
 // the write-combining buffers before it came back to complete them. On a Zen 3 CPU (N=9, 8192 rows,
 // D=1024, bf16, 1 thread) the backward took 13.2-14.1 µs per row at one site that way, 6.6-7.5 with
 // regular stores and 6.1-7.9 with these (3 sites + out norm: 23.2-24.8, 12.2-12.5, 11.9-12.2;
-// 2 threads, 1 site: 37-38 % of a copy's rate, 57-75 %, 54-57 %). The first half of each line
-// waits here, in a buffer per row, and goes out just before the second. With AVX512 a pair is a
-// whole line and is stored at once. The rows' lines must start at column 0 (rows aligned to 64
-// bytes).
+// 2 threads, 1 site: 37-38 % of a copy's rate, 57-75 %, 54-57 %; that gradient sweep now takes two
+// pairs, a whole line, per step). The first half of each line waits here, in a buffer per row, and
+// goes out just before the second. With AVX512 a pair is a whole line and is stored at once. The rows' lines must start
+// at column 0 (rows aligned to 64 bytes).
 class Bf16LineStreams {
  public:
   using bVec = Vectorized<at::BFloat16>;
@@ -1217,16 +1217,21 @@ template <int G, typename src_t>
 C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int64_t i1, int64_t n, const float* a,
                                           const float* c1, const float* neg_c2, const float* do_sum_order,
                                           const float* u_sum_order, float* du_sum_order, int64_t dim, src_t* const* dv,
-                                          bool stream, Bf16LineStreams& bf16_streams, const int64_t* next_row_bytes) {
+                                          bool stream, const int64_t* next_row_bytes) {
   using fVec = Vectorized<float>;
   constexpr int64_t W = fVec::size();
   int64_t d = 0;
-  // Steps of P vector pairs from column d: P = 1, or 2 for one site over bf16 rows where a pair is half
-  // a cache line (AVX2): the two pairs of a line share each source's bookkeeping (its pointers,
-  // coefficients and prefetch) and go out as a whole line. Zen 3, N=9, D=1024, one thread: 29 % fewer
+  // Steps of P vector pairs from column d: P = 1, or 2 over bf16 rows where a pair is half a cache line
+  // (AVX2): the two pairs of a line share each source's bookkeeping (its pointers, coefficients and
+  // prefetch) and go out as a whole line. Zen 3, N=9, D=1024: one site, one thread, 29 % fewer
   // instructions (callgrind: 32.1 k -> 22.8 k per row), 6.1-7.3 -> 4.5-4.9 µs per row with 128 rows in
   // cache, 8192 rows from memory within the noise (6.1-7.0 vs 5.6-6.5; 2 threads 61-75 vs 66-76 % of
-  // a copy). (With more sites, do, u and du of two pairs do not fit in AVX2's 16 registers.)
+  // a copy). With 2-4 sites do, u and du of two pairs do not fit in AVX2's 16 registers and GCC keeps
+  // some on the stack, yet the sweep runs 5-8 % fewer instructions (128 rows; 3 sites 23.7 -> 22.4 M)
+  // and, from memory (8192 rows, 2 threads, alternating runs), 2 sites 39.4 / 42.5 -> 34.5 / 32.8 ms,
+  // 3 sites 46.8 / 53.2 / 48.4 -> 40.4 / 44.6 / 41.4 ms, 3 sites + out norm 56.9 / 66.3 / 67.9 -> 50.3 /
+  // 52.8 / 74.9 ms, 4 sites 56.1 / 57.2 -> 49.8 / 56.2 ms (with 128 rows in cache, 3 sites + norm, one
+  // thread: 12.6-13.7 -> 13.3-15.1 µs per row).
   // (Always inlined: out of line, as GCC left it for 3 and 4 sites with AVX512, every captured value
   // would be reloaded after each store that might alias it.)
   auto steps = [&](auto pairs) C10_ALWAYS_INLINE_ATTRIBUTE {
@@ -1267,12 +1272,10 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
         if constexpr (kSplitSumOrder<src_t>) {
           for (int p = 0; p < P; ++p) {
             const Vectorized<at::BFloat16> rounded = bf16_from_even_odd(g[2 * p], g[2 * p + 1]);
-            if (!stream) {
-              rounded.store(out + p * 2 * W);
-            } else if constexpr (P == 2) {
+            if (stream) {  // whole lines: two pairs with AVX2 (P = 2 whenever rows are streamed), one with AVX512
               store_streaming(rounded, out + p * 2 * W);
             } else {
-              bf16_streams.store(i, rounded, out, d);
+              rounded.store(out + p * 2 * W);
             }
           }
         } else {
@@ -1291,7 +1294,7 @@ C10_ALWAYS_INLINE void sweep_source_group(const src_t* const* v, int64_t i0, int
       }
     }
   };
-  if constexpr (Bf16LineStreams::kHalfLines && kSplitSumOrder<src_t> && G == 1) steps(std::integral_constant<int, 2>{});
+  if constexpr (Bf16LineStreams::kHalfLines && kSplitSumOrder<src_t>) steps(std::integral_constant<int, 2>{});
   steps(std::integral_constant<int, 1>{});  // (the last pair of a row of an odd count of pairs)
   for (; d < dim; ++d) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -1323,14 +1326,14 @@ template <int G, typename src_t>
 C10_NOINLINE void source_grads_rows(const src_t* const* v, int64_t n, const float* a, const float* c1,
                                     const float* neg_c2, const float* do_sum_order, const float* u_sum_order,
                                     float* du_sum_order, int64_t dim, src_t* const* dv, bool stream,
-                                    Bf16LineStreams& bf16_streams, const int64_t* next_row_bytes) {
+                                    const int64_t* next_row_bytes) {
   // The sources in groups of at most kSourcesPerSweep (as even as they come), one sweep over the columns
   // per group; du takes each group's sums.
   const int64_t groups = (n + kSourcesPerSweep - 1) / kSourcesPerSweep;
   const int64_t group = (n + groups - 1) / groups;
   for (int64_t i0 = 0; i0 < n; i0 += group) {
     sweep_source_group<G>(v, i0, std::min(n, i0 + group), n, a, c1, neg_c2, do_sum_order, u_sum_order, du_sum_order,
-                          dim, dv, stream, bf16_streams, next_row_bytes);
+                          dim, dv, stream, next_row_bytes);
   }
 }
 
@@ -1544,7 +1547,6 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
     std::vector<acc_t> alpha(Q * N), dp(Q * N), alpha_a(Q), dp_a(Q), delta(Q), c1(Q * N), neg_c2(N), dots(Q);
     std::vector<acc_t> scaled_alpha(normalize_values ? Q * N : 0);
     std::vector<float> do_sum_order(sweep_rows ? Q * D : 0), du_sum_order(sweep_rows ? Q * D : 0);
-    Bf16LineStreams bf16_streams(stream_rows && src_bf16 ? N : 0);
     const acc_t* weight = normalize_values ? scaled_alpha.data() : alpha.data();
     std::vector<const acc_t*> v(N);
     std::vector<const at::BFloat16*> vb(sweep_rows && src_bf16 ? N : 0);
@@ -1681,10 +1683,9 @@ void depth_attn_bwd_impl(const SourceRows& in, const at::Tensor& dy_t, const at:
           if (sweep_rows) {
             with_sweep_types([&](auto sites, auto tag) {
               const auto [src_rows, grad_rows] = sweep_rows_of(tag);
-              source_grads_rows<decltype(sites)::value>(src_rows, N, weight, c1.data(), neg_c2.data(),
-                                                        do_sum_order.data(), u_sum_order.data(), du_sum_order.data(), D,
-                                                        grad_rows, stream_rows, bf16_streams,
-                                                        rows_ahead > 0 ? src_row_bytes.data() : nullptr);
+              source_grads_rows<decltype(sites)::value>(
+                  src_rows, N, weight, c1.data(), neg_c2.data(), do_sum_order.data(), u_sum_order.data(),
+                  du_sum_order.data(), D, grad_rows, stream_rows, rows_ahead > 0 ? src_row_bytes.data() : nullptr);
               for (int64_t q = 0; flush && q < Q; ++q) {
                 accumulate_from_sum_order<decltype(tag)>(du_c + q * D, du_sum_order.data() + q * D, D);
                 if (g != nullptr) accumulate_from_sum_order<decltype(tag)>(dg_c + q * D, dg_rows.data() + q * D, D);
