@@ -4,7 +4,8 @@
 
 - Triton: every kernel configuration the launchers can choose is compiled for
   each architecture down to the cubin, the report of Triton's own ``ptxas -v``
-  run read (:mod:`attnres_kernels.triton.check`).
+  run read (for a kernel from Triton's cache, its PTX assembled again)
+  (:mod:`attnres_kernels.triton.check`).
 - CUDA: ``csrc/cuda/tools/aot_check.cu`` is compiled with ``nvcc -Xptxas -v`` for
   each architecture, which instantiates every kernel the launchers can choose,
   and run on the host: it checks that every launch plan maps to a compiled kernel

@@ -6,8 +6,9 @@ For each launch an op family's ``aot_launches(dtype)`` lists (every kernel ×
 tile/warp configuration its dispatcher can select, see :data:`AOT_FAMILIES`)
 × dtype × architecture, compiles the kernel with Triton for a ``GPUTarget`` (feature
 flags at their most register-hungry setting) down to the cubin, reads the report of
-the ``ptxas -v`` run Triton makes for it (its own ptxas, or ``TRITON_PTXAS_PATH``'s),
-and prints registers, spill bytes and shared memory. Exits non-zero on any
+the ``ptxas -v`` run Triton makes for it (its own ptxas, or ``TRITON_PTXAS_PATH``'s; a
+kernel from Triton's cache: its PTX assembled by that ptxas here), and prints registers,
+spill bytes and shared memory. Exits non-zero on any
 compile failure or spill.
 """
 
@@ -20,7 +21,9 @@ import importlib
 import io
 import os
 import re
+import subprocess
 import sys
+import tempfile
 import time
 
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
@@ -57,7 +60,8 @@ SMEM_LIMIT = 101376
 def _compile(kernel, args, constexprs, launch_options, arch):
     """Compiles one launch for ``arch`` through Triton's whole pipeline, down to the cubin its own
     ``ptxas -v`` assembles (the ptxas and flags of a launch on a GPU); returns (registers, spill
-    bytes, shared memory bytes: ptxas's static + Triton's dynamic)."""
+    bytes, shared memory bytes: ptxas's static + Triton's dynamic). A kernel in Triton's cache skips
+    that stage: its cached PTX is assembled here instead (:func:`_ptxas_report`)."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -66,15 +70,31 @@ def _compile(kernel, args, constexprs, launch_options, arch):
     options, signature, constants, attrs = kernel._pack_args(backend, kwargs, bound_args, specialization, options)
     source = ASTSource(kernel, signature, constants, attrs)
     log = io.StringIO()
-    with knobs.nvidia.scope(), knobs.compilation.scope(), contextlib.redirect_stdout(log):
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
         knobs.nvidia.dump_ptxas_log = True  # printed after the cubin stage's ptxas run
-        knobs.compilation.always_compile = True  # (a cached kernel would skip that stage)
         compiled = triton_compile(source, target=target, options=options.__dict__)
     report = log.getvalue()
+    if PTXAS_LINE.search(report) is None:
+        report = _ptxas_report(compiled.asm["ptx"])
     regs = int(PTXAS_LINE.search(report).group(1))
     spill_st, spill_ld = (int(x) for x in SPILL.search(report).groups())
     static_smem = SMEM.search(report)
     return regs, spill_st + spill_ld, (int(static_smem.group(1)) if static_smem else 0) + compiled.metadata.shared
+
+
+def _ptxas_report(ptx: str) -> str:
+    """``ptxas -v``'s report on ``ptx``, assembled by Triton's ptxas with the register allocation flag of
+    its own cubin stage."""
+    gpu_name = PTX_TARGET.search(ptx).group(1)  # e.g. sm_90a: Triton targets the arch-specific ISA
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        command = [knobs.nvidia.ptxas.path, "-v", "--regAllocOptLevel=2", f"--gpu-name={gpu_name}", path]
+        result = subprocess.run([*command, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip())
+    return result.stderr
 
 
 def _check_one(job):
