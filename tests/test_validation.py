@@ -173,3 +173,39 @@ else:
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_import_defers_dtensor_and_dynamo():
+    """``import attnres_kernels`` imports neither ``torch.distributed.tensor`` nor
+    ``torch._dynamo`` (~1 s each); what it registers with them is registered when they
+    are imported later: the ops' DTensor rules (a read of DTensors on a one-rank mesh
+    returns a DTensor equal to the plain read) and the compile-time constant mark of
+    ``fused_step_backend``."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import torch
+import attnres_kernels as ak
+from attnres_kernels.nn.layers import fused_step_backend
+imported = [m for m in ("torch.distributed.tensor", "torch._dynamo") if m in sys.modules]
+assert not imported, f"`import attnres_kernels` imported {imported}"
+import torch._dynamo
+# What torch.compiler.assume_constant_result sets, and dynamo reads when tracing a call.
+assert fused_step_backend._dynamo_marked_constant
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+sources, query = [torch.randn(2, 5, 7) for _ in range(3)], torch.randn(7)
+out = ak.depth_attention(
+    DTensor.from_local(query, mesh, [Replicate()]), [DTensor.from_local(s, mesh, [Shard(1)]) for s in sources]
+)
+assert isinstance(out, DTensor) and out.placements == (Shard(1),), out
+torch.testing.assert_close(out.to_local(), ak.depth_attention(query, sources))
+dist.destroy_process_group()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -29,7 +29,6 @@ from .pipeline import (
     unpack_boundary,
 )
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
-from .tensor_parallel import tensor_parallel_plan
 
 __all__ = [
     "DEFAULT_BLOCK_SCHEDULE",
@@ -57,3 +56,12 @@ __all__ = [
     "tensor_parallel_plan",
     "unpack_boundary",
 ]
+
+
+def __getattr__(name: str):
+    # tensor_parallel_plan on first use: its module imports torch.distributed.tensor (~1 s).
+    if name == "tensor_parallel_plan":
+        from .tensor_parallel import tensor_parallel_plan
+
+        return tensor_parallel_plan
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

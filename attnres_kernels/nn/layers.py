@@ -35,17 +35,13 @@ from torch import Tensor, nn
 
 from .. import ops
 from .._validation import ReadOptions
-from ..ops import _dispatch, _native
+from .._when_imported import when_imported
+from ..ops import _dispatch, _native, _sharding
 from ..ops.block_step import step_unchecked
 from ..ops.depth import read_unchecked
 from ..reference import models as ref
 from .cache import LayerKVCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch built without distributed
-    DTensor = None
 
 ATTENTION_BACKENDS = ("sdpa", *ops.BACKENDS)
 
@@ -69,7 +65,6 @@ class Backends(NamedTuple):
 _FUSED_STEP: dict = {}
 
 
-@torch.compiler.assume_constant_result
 def fused_step_backend(depth: str) -> str | None:
     """The backend of the fused Block step on depth backend ``depth``: ``depth`` itself
     when it has a ``block_step_fwd`` kernel (the reference always does), else None.
@@ -88,6 +83,11 @@ def fused_step_backend(depth: str) -> str | None:
             defined = True
         _FUSED_STEP[depth] = depth if defined else None
     return _FUSED_STEP[depth]
+
+
+# torch.compile takes it as a constant (torch.compiler.assume_constant_result), marked once
+# torch._dynamo is imported: importing it here only to mark the function cost ~1 s.
+when_imported("torch._dynamo", lambda _: torch.compiler.assume_constant_result(fused_step_backend))
 
 
 def resolve_backends(backend: str, like: Tensor) -> Backends:
@@ -155,13 +155,11 @@ def _rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _sharded(param) -> bool:
     """Whether ``param`` is a DTensor split over ranks (FSDP keeps it sharded between
     forwards); tensor parallelism replicates the site parameters, which are then whole."""
-    return isinstance(param, DTensor) and not all(p.is_replicate() for p in param.placements)
+    return _sharding.is_dtensor(param) and not all(p.is_replicate() for p in param.placements)
 
 
 def _check_gathered(group: tuple) -> None:
     """Raises :class:`ShardedSiteError` if a site of a multi-query read is sharded."""
-    if DTensor is None:
-        return
     for name, site in group:
         if _sharded(site.query) or _sharded(site.norm_weight):
             raise ShardedSiteError(
@@ -184,7 +182,7 @@ def phase1_read(backends: Backends, sources, group: tuple, eps: float):
     h, lse = read_unchecked(
         backends.depth, list(sources), query, norm_weight, options=ReadOptions(eps, eps), return_lse=True
     )
-    if DTensor is not None and isinstance(lse, DTensor):
+    if _sharding.is_dtensor(lse):
         # Tensor parallel: the first site's lse is never read, and unbind's backward would
         # stand in a plain-tensor zero for it among DTensors. Rows of lse are 1/D of h's.
         return h.unbind(0), tuple(lse[i] for i in range(lse.shape[0]))

@@ -27,17 +27,19 @@ tensor-parallel plan of :mod:`attnres_kernels.nn.tensor_parallel` arranges):
 
 The rules run below autograd: the ops' own autograd (C++ for ``attnres::``, Python
 for the others) saves the DTensors and calls the backward op, which takes the same
-rule. Registered when :mod:`attnres_kernels.ops` is imported.
+rule. Registered when both this package and ``torch.distributed.tensor`` are imported
+(this package does not import it: :mod:`attnres_kernels._when_imported`).
 """
 
 from __future__ import annotations
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-except ImportError:  # torch built without distributed
-    DTensor = None
+from .._when_imported import when_imported
+
+# torch.distributed.tensor's classes, bound when that module is imported (_on_dtensor_import):
+# until then no DTensor exists, and this module does not import it (~1 s).
+DTensor = Partial = Replicate = Shard = None
 
 NAMESPACES = ("attnres", "attnres_triton", "attnres_emu")
 
@@ -72,6 +74,11 @@ def _bind(func, args, kwargs) -> dict:
         elif argument.name in kwargs:
             bound[argument.name] = kwargs[argument.name]
     return bound
+
+
+def is_dtensor(value) -> bool:
+    """Whether ``value`` is a DTensor (never, before ``torch.distributed.tensor`` is imported)."""
+    return DTensor is not None and isinstance(value, DTensor)
 
 
 def _dtensors(value):
@@ -210,8 +217,6 @@ _libraries: dict = {}
 def register_dtensor_rules(namespaces=NAMESPACES) -> None:
     """Registers the DTensor rule of every fused op in ``namespaces`` (by name: an op
     defined later, such as the Triton ops on first use, gets it too). Idempotent."""
-    if DTensor is None:
-        return
     for namespace in namespaces:
         if namespace in _libraries:
             continue
@@ -221,4 +226,11 @@ def register_dtensor_rules(namespaces=NAMESPACES) -> None:
         _libraries[namespace] = lib
 
 
-register_dtensor_rules()
+def _on_dtensor_import(module) -> None:
+    """Binds DTensor's classes and registers the rules: ``torch.distributed.tensor`` is imported."""
+    global DTensor, Partial, Replicate, Shard
+    DTensor, Partial, Replicate, Shard = module.DTensor, module.Partial, module.Replicate, module.Shard
+    register_dtensor_rules()
+
+
+when_imported("torch.distributed.tensor", _on_dtensor_import)
