@@ -387,10 +387,11 @@ def read_report_lines(reads, small_reads, backward=None):
             "",
             "µs per call (median), one thread, float32, `query`/`norm_weight` [D]. `raw ops`: "
             "`torch.ops.attnres.depth_attn_fwd` (+ `depth_attn_bwd`) without autograd; `depth_attention`: the "
-            "public function (argument checks, backend resolution, the op with its C++ autograd; fwd+bwd through "
-            "`torch.autograd.grad`); `read_unchecked`: the same without the checks, for modules that validated "
-            "their inputs once; `F.rms_norm fwd+bwd`: one RMSNorm (with weight) of a source's shape, forward and "
-            "`torch.autograd.grad`, timed in the same rounds (the bar for a small read: a site's plain norm). A "
+            "public function (on plain CPU tensors the op with its C++ autograd, which checks the arguments "
+            "itself; fwd+bwd through `torch.autograd.grad`); `read_unchecked`: the op through the backend "
+            "dispatch, without checks, for modules that validated their inputs once; `F.rms_norm fwd+bwd`: one "
+            "RMSNorm (with weight) of a source's shape, forward and `torch.autograd.grad`, timed in the same "
+            "rounds (the bar for a small read: a site's plain norm). A "
             "sample is 20 calls in a row, each result dropped before the next call (holding all 20, as earlier "
             "versions of this table did, made the calls that allocate most pay for fresh memory). The demo model "
             "reads 1 to 13 sources of [10, ~20, 128].",
