@@ -2,7 +2,9 @@
 
 Both validate their arguments in Python (:mod:`attnres_kernels._validation`),
 pick a backend (:mod:`attnres_kernels.ops._dispatch`) and run either the
-reference or the backend's ``depth_attn_fwd`` op, whose fake kernel and
+reference or the backend's ``depth_attn_fwd`` op (:func:`depth_attention` on
+plain CPU tensors calls the C++ op straight away: it checks the arguments itself,
+and the Python checks only word the error of a call it rejects), whose fake kernel and
 autograd are registered in :mod:`attnres_kernels.ops._registration` (the C++
 op's autograd in ``csrc/autograd``).
 """
