@@ -18,19 +18,21 @@ _pending: dict = {}  # module name -> callbacks waiting for its first import
 
 
 class _CallbacksAfterExec(importlib.abc.Loader):
-    """The module's own loader, then the callbacks on the executed module; every other
-    loader attribute (resource readers, ``get_data``, ...) is the wrapped loader's."""
+    """The module's own loader, then the callbacks waiting for the module (taken when it
+    executes, not when its spec is found: ``importlib.util.find_spec`` finds a spec without
+    importing); every other loader attribute (resource readers, ``get_data``, ...) is the
+    wrapped loader's."""
 
-    def __init__(self, loader, callbacks: list):
+    def __init__(self, loader, name: str):
         self._loader = loader
-        self._callbacks = callbacks
+        self._name = name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self._loader.exec_module(module)
-        for callback in self._callbacks:
+        for callback in _pending.pop(self._name, ()):
             callback(module)
 
     def __getattr__(self, name: str):
@@ -42,8 +44,7 @@ class _WaitingFinder(importlib.abc.MetaPathFinder):
     finders after it give, its loader wrapped; for any other module, nothing."""
 
     def find_spec(self, fullname: str, path, target=None):
-        callbacks = _pending.get(fullname)
-        if callbacks is None:
+        if fullname not in _pending:
             return None
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
@@ -52,8 +53,7 @@ class _WaitingFinder(importlib.abc.MetaPathFinder):
             spec = find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    del _pending[fullname]
-                    spec.loader = _CallbacksAfterExec(spec.loader, callbacks)
+                    spec.loader = _CallbacksAfterExec(spec.loader, fullname)
                 return spec
         return None
 

@@ -178,7 +178,8 @@ else:
 def test_import_defers_dtensor_and_dynamo():
     """``import attnres_kernels`` imports neither ``torch.distributed.tensor`` nor
     ``torch._dynamo`` (~1 s each); what it registers with them is registered when they
-    are imported later: the ops' DTensor rules (a read of DTensors on a one-rank mesh
+    are imported later (also after ``importlib.util.find_spec`` looked one up without
+    importing it): the ops' DTensor rules (a read of DTensors on a one-rank mesh
     returns a DTensor equal to the plain read) and the compile-time constant mark of
     ``fused_step_backend``."""
     import subprocess
@@ -191,6 +192,8 @@ import attnres_kernels as ak
 from attnres_kernels.nn.layers import fused_step_backend
 imported = [m for m in ("torch.distributed.tensor", "torch._dynamo") if m in sys.modules]
 assert not imported, f"`import attnres_kernels` imported {imported}"
+import importlib.util
+assert importlib.util.find_spec("torch._dynamo") is not None  # finding a spec is no import
 import torch._dynamo
 # What torch.compiler.assume_constant_result sets, and dynamo reads when tracing a call.
 assert fused_step_backend._dynamo_marked_constant
