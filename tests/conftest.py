@@ -34,6 +34,44 @@ def _interpreter_rounds_bf16_to_nearest_even():
     builder.cast_impl = cast_rounding_to_nearest_even  # (its create_fp_trunc, a store's implicit cast, calls it)
 
 
+def _interpreter_patches_the_language_once_per_launch():
+    """Triton's interpreter swaps ``triton.language``'s builtins for interpreted ones when a kernel launches
+    (restoring them when it returns), and again on every call of a ``@triton.jit`` helper inside the kernel
+    (``inspect.getmembers`` over three modules, about 0.5 ms a call, kept patched until the launch restores
+    them): a third of an interpreted test's time. Inside a launch that already patched the modules a helper
+    sees, the helper's call skips the repeat. A helper reaching a module the launch did not patch is patched
+    as before (Triton's own helpers such as ``tl.sum`` see ``triton.language.core``), and left patched until
+    the launch returns, as Triton leaves it; a builtin left unpatched would raise, not compute something else."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = interpreter._patch_lang  # an AttributeError here means Triton's interpreter changed
+    launch = interpreter.GridExecutor.__call__
+    patched = []  # the language modules patched since the running launch began (empty: no launch running)
+
+    def language_modules(fn):
+        return {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+
+    def patch_lang_unless_patched(fn):
+        if patched and language_modules(fn) <= patched[0]:
+            return interpreter._LangPatchScope()  # nothing changed, nothing to restore
+        scope = patch_lang(fn)
+        if patched:
+            patched[0] |= language_modules(fn)
+        else:  # the launch itself (GridExecutor.__call__ patches before it runs the grid)
+            patched.append(language_modules(fn))
+        return scope
+
+    def launch_tracking_its_patch(self, *args, **kwargs):
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    interpreter._patch_lang = patch_lang_unless_patched
+    interpreter.GridExecutor.__call__ = launch_tracking_its_patch
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     try:
         import triton  # noqa: F401
@@ -41,6 +79,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         pass
     else:
         _interpreter_rounds_bf16_to_nearest_even()
+        _interpreter_patches_the_language_once_per_launch()
 
 # Under pytest-xdist each worker gets its share of the cores, and so do the processes its tests start
 # (OMP_NUM_THREADS). PyTorch's OpenMP threads spin while they wait for work: with two workers of two
