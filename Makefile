@@ -12,7 +12,7 @@ CUDA_VENV ?= .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
 ARGS ?=
 export MAX_JOBS ?= 2
-NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h)
+NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/autograd/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h)
 
 .PHONY: demo test pytest aot-check lint format bench sweep cmake cuda-build clean gpu-bench
 

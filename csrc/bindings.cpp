@@ -35,7 +35,7 @@ TORCH_LIBRARY(attnres, m) {
   m.def(schema::kAttnFwd);
   m.def(schema::kAttnBwd);
   // The gradients of attn_fwd (grad_q, grad_k, grad_v) as a differentiable function of q, k, v and
-  // the incoming gradients, for a backward with create_graph=True (csrc/autograd/attention_autograd.cpp);
+  // the incoming gradients, for a backward with create_graph=True (csrc/autograd/attention_autograd.h);
   // implemented in Python by autograd through the reference. An input that does not require grad gets an
   // empty tensor.
   m.def(

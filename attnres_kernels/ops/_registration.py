@@ -416,7 +416,7 @@ def differentiable_block_step_bwd(
 def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
     """Python autograd of a Block-step forward op (``bwd_op`` computes its gradients).
     The C++ op ``attnres::block_step_fwd`` has a native autograd of the same
-    semantics instead (csrc/autograd/block_step_autograd.cpp): this one costs ~1 ms per call."""
+    semantics instead (csrc/autograd/block_step_autograd.h): this one costs ~1 ms per call."""
 
     def setup_context(ctx, inputs, output):
         partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs

@@ -4,7 +4,7 @@
 // Argument checks and output dtypes come from ../block_step.h, as on CPU; the
 // Runtime is the depth read's (depth_attention_ops.h). Autograd: the C++
 // autograd of attnres::block_step_fwd is registered for the Autograd alias key
-// (csrc/autograd/block_step_autograd.cpp), so it serves this CUDA kernel too.
+// (csrc/autograd/block_step_autograd.h), so it serves this CUDA kernel too.
 #pragma once
 
 #include <ATen/ATen.h>

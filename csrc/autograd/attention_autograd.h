@@ -1,6 +1,6 @@
 // Autograd of attnres::attn_fwd, registered for the Autograd dispatch key: it
 // serves every native kernel of the op (CPU, and CUDA when built), and, registered
-// for attnres_triton::attn_fwd too, the Triton kernels (see depth_attention_autograd.cpp).
+// for attnres_triton::attn_fwd too, the Triton kernels (see depth_attention_autograd.h).
 //
 // Forward: redispatches to the backend kernel and saves q, k, v, the key
 // padding mask, out and the fp32 (fp64) lse: the backward recomputes the
@@ -10,12 +10,16 @@
 // backward that runs with create_graph=True (grad mode on) calls
 // attnres::attn_bwd_differentiable instead, which `import attnres_kernels`
 // implements by autograd through the reference (as for the depth read, see
-// depth_attention_autograd.cpp): double backward is exact, at the reference's cost.
+// depth_attention_autograd.h): double backward is exact, at the reference's cost.
 //
 // Written in C++ rather than with torch.library.register_autograd because the
 // Python wrapper's fixed cost per call (~60 µs forward, ~0.5 ms backward on the
 // demo's machine) exceeds the kernels' own time at a decode step or a small
 // model's sequence lengths.
+//
+// Compiled once, as part of autograd.cpp.
+#pragma once
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -24,6 +28,7 @@
 #include <vector>
 
 namespace attnres {
+namespace causal_attention_autograd {
 namespace {
 
 using at::Tensor;
@@ -127,4 +132,5 @@ std::tuple<Tensor, Tensor> attn_fwd_autograd(const Tensor& q, const Tensor& k, c
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<NativeOps>); }
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<TritonOps>); }
 
+}  // namespace causal_attention_autograd
 }  // namespace attnres

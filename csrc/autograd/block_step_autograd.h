@@ -1,7 +1,7 @@
 // Autograd of attnres::block_step_fwd, registered for the Autograd dispatch
 // key: it serves every native kernel of the op (CPU, and CUDA when built), and,
 // registered for attnres_triton::block_step_fwd too, the Triton kernels (see
-// depth_attention_autograd.cpp).
+// depth_attention_autograd.h).
 //
 // Forward: redispatches to the backend kernel and saves new_partial (never the
 // addends: keeping the old partial sum alive would cost O(L·d) memory), the
@@ -12,12 +12,16 @@
 // runs with create_graph=True (grad mode on) calls
 // attnres::block_step_bwd_differentiable instead, which `import attnres_kernels`
 // implements by autograd through the reference (as for the depth read, see
-// depth_attention_autograd.cpp): double backward is exact, at the reference's cost.
+// depth_attention_autograd.h): double backward is exact, at the reference's cost.
 //
 // Written in C++ rather than with torch.library.register_autograd because the
 // Python wrapper's fixed cost per call (~1 ms: the custom-op machinery, Python
 // setup_context and backward) exceeds the kernels' own time at the sizes of a
 // Block model, which runs the step once per sublayer.
+//
+// Compiled once, as part of autograd.cpp.
+#pragma once
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -26,6 +30,7 @@
 #include <vector>
 
 namespace attnres {
+namespace block_step_autograd {
 namespace {
 
 using at::Tensor;
@@ -157,4 +162,5 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> block_step_fwd_autograd(
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<NativeOps>); }
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<TritonOps>); }
 
+}  // namespace block_step_autograd
 }  // namespace attnres

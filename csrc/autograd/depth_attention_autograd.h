@@ -15,6 +15,10 @@
 // Written in C++ rather than with torch.library.register_autograd because the
 // Python wrapper (pytree flattening, the ctx object, saved-tensor handling in
 // Python) cost more than the kernels of a small read.
+//
+// Compiled once, as part of autograd.cpp.
+#pragma once
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
@@ -25,6 +29,7 @@
 #include "../depth_attention.h"
 
 namespace attnres {
+namespace depth_read_autograd {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -193,4 +198,5 @@ TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("depth_attn_fwd", &depth_attn_
 // out), with this autograd 410-440 µs.
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("depth_attn_fwd", &depth_attn_fwd_autograd<TritonOps>); }
 
+}  // namespace depth_read_autograd
 }  // namespace attnres
