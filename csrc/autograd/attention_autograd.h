@@ -20,21 +20,15 @@
 // Compiled once, as part of autograd.cpp.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/library.h>
-
 #include <tuple>
 #include <vector>
 
-namespace attnres {
-namespace causal_attention_autograd {
-namespace {
+#include "autograd_common.h"
 
-using at::Tensor;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-using OptTensor = c10::optional<Tensor>;
+namespace attnres {
+namespace autograd {
+namespace causal_attention {
+namespace {
 
 using FwdSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, const OptTensor&, bool,
                                                 double);
@@ -43,13 +37,6 @@ using BwdSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Opt
                                                         bool, double);
 using DifferentiableBwdSignature = std::vector<Tensor>(const OptTensor&, const OptTensor&, const Tensor&, const Tensor&,
                                                        const Tensor&, const OptTensor&, bool, double);
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-OptTensor present(const Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
 // Positions in the saved list.
 enum Saved { kQ, kK, kV, kMask, kOut, kLse };
@@ -132,5 +119,6 @@ std::tuple<Tensor, Tensor> attn_fwd_autograd(const Tensor& q, const Tensor& k, c
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<NativeOps>); }
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("attn_fwd", &attn_fwd_autograd<TritonOps>); }
 
-}  // namespace causal_attention_autograd
+}  // namespace causal_attention
+}  // namespace autograd
 }  // namespace attnres

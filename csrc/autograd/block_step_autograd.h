@@ -22,21 +22,15 @@
 // Compiled once, as part of autograd.cpp.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/library.h>
-
 #include <tuple>
 #include <vector>
 
-namespace attnres {
-namespace block_step_autograd {
-namespace {
+#include "autograd_common.h"
 
-using at::Tensor;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-using OptTensor = c10::optional<Tensor>;
+namespace attnres {
+namespace autograd {
+namespace block_step {
+namespace {
 
 using FwdSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(const OptTensor&, const Tensor&, const Tensor&,
                                                                         const OptTensor&, const Tensor&, const Tensor&,
@@ -47,13 +41,6 @@ using BwdSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
 using DifferentiableBwdSignature = std::vector<Tensor>(const OptTensor&, const OptTensor&, const OptTensor&,
                                                        const Tensor&, const Tensor&, const OptTensor&, const Tensor&,
                                                        const Tensor&, const OptTensor&, double);
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-OptTensor present(const Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
 // Positions in the saved list.
 enum Saved { kNewPartial, kQuery, kNormWeight, kPrefixOut, kPrefixLse, kOutNormWeight, kLogit, kRinv };
@@ -162,5 +149,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> block_step_fwd_autograd(
 TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<NativeOps>); }
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("block_step_fwd", &block_step_fwd_autograd<TritonOps>); }
 
-}  // namespace block_step_autograd
+}  // namespace block_step
+}  // namespace autograd
 }  // namespace attnres

@@ -19,22 +19,16 @@
 // Compiled once, as part of autograd.cpp.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
-#include <torch/library.h>
-
 #include <tuple>
 #include <vector>
 
 #include "../depth_attention.h"
+#include "autograd_common.h"
 
 namespace attnres {
-namespace depth_read_autograd {
+namespace autograd {
+namespace depth_read {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-using OptTensor = c10::optional<at::Tensor>;
 
 // The ReadOptions fields as the ops' trailing arguments (ATTNRES_READ_OPTIONS_PARAMS).
 #define OPTION_TYPES double, double, double, bool, c10::optional<at::ScalarType>
@@ -50,13 +44,6 @@ using DifferentiableBwdSignature = std::vector<at::Tensor>(const OptTensor&, con
                                                            const OptTensor&, const OptTensor&, const OptTensor&,
                                                            OPTION_TYPES);
 #undef OPTION_TYPES
-
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-OptTensor present(const at::Tensor& t) { return t.defined() ? OptTensor(t) : c10::nullopt; }
 
 // Positions of the tensors after the sources in the saved list.
 enum Saved { kQuery, kNormWeight, kPrefixOut, kPrefixLse, kOutNormWeight, kLogits, kRinv, kNumSaved };
@@ -198,5 +185,6 @@ TORCH_LIBRARY_IMPL(attnres, Autograd, m) { m.impl("depth_attn_fwd", &depth_attn_
 // out), with this autograd 410-440 µs.
 TORCH_LIBRARY_IMPL(attnres_triton, Autograd, m) { m.impl("depth_attn_fwd", &depth_attn_fwd_autograd<TritonOps>); }
 
-}  // namespace depth_read_autograd
+}  // namespace depth_read
+}  // namespace autograd
 }  // namespace attnres
