@@ -4,7 +4,7 @@
 // lives in the backend files.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>

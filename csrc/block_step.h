@@ -4,7 +4,7 @@
 // the backend files (csrc/cpu/block_step_cpu.cpp, csrc/cuda/block_step_ops.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
 #include "depth_attention.h"
@@ -54,10 +54,10 @@ inline StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::T
   a.new_dtype = update.scalar_type();
   if (partial.has_value()) {
     check_step_rows(*partial, "partial", update);
-    a.new_dtype = at::promote_types(a.new_dtype, partial->scalar_type());
+    a.new_dtype = c10::promoteTypes(a.new_dtype, partial->scalar_type());
   }
   check_step_rows(prefix_out, "prefix_out", update);
-  a.out_dtype = at::promote_types(a.new_dtype, prefix_out.scalar_type());
+  a.out_dtype = c10::promoteTypes(a.new_dtype, prefix_out.scalar_type());
   a.acc_dtype = accumulation_type(a.out_dtype);
   TORCH_CHECK(prefix_lse.sizes() == update.sizes().slice(0, update.dim() - 1),
               "block step: `prefix_lse` must have the leading shape of `update` ",
@@ -69,7 +69,7 @@ inline StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::T
   a.u = query.to(a.acc_dtype);
   if (norm_weight.has_value()) {
     check_step_site_vector(*norm_weight, "norm_weight", update);
-    a.u = a.u * norm_weight->to(a.acc_dtype);
+    a.u = a.u.mul(norm_weight->to(a.acc_dtype));
   }
   a.u = a.u.contiguous();
   if (out_norm_weight.has_value()) {

@@ -26,13 +26,15 @@
 // per-thread buffers once per tile; transposed operands are always packed.
 // Buffer widths are multiples of kAlign. The inner products go through a GEMM
 // on those tiles (see gemm() below).
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 

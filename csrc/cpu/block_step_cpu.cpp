@@ -25,10 +25,12 @@
 // g (sums over rows) are written as one double partial per fixed chunk of rows
 // (the chunking depends on M only, never on the thread count) and the chunk
 // partials are then summed in chunk order.
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)

@@ -18,10 +18,11 @@
 // over rows (grad of query_key and of the out-norm weight) write one double
 // partial per fixed chunk of rows (the chunking depends on M only, not on the
 // thread count) and the partials are summed in chunk order.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)

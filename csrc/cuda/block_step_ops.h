@@ -7,7 +7,10 @@
 // (csrc/autograd/block_step_autograd.h), so it serves this CUDA kernel too.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Optional.h>
 
 #include <algorithm>

@@ -11,7 +11,10 @@
 //   void launch(name, kernel, grid, block, shared_bytes, args...);
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/util/Optional.h>
 
 #include <cstring>

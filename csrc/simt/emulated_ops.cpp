@@ -8,7 +8,8 @@
 // uses, templated on a Runtime), define its schemas in TORCH_LIBRARY(attnres_emu)
 // and register the Runtime-instantiated entry points below; list any new .cpp in
 // attnres_kernels/cuda/emulation.py (SOURCES).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cstring>
