@@ -94,7 +94,9 @@ def extension():
     # on one thread. libgomp resolves to the copy torch already loaded.
     # C++20: torch >= 2.14 requires it (and 2.13 builds with it too).
     # -g0: no debug info (Python's default flags ask for it): a third less compile time.
-    cxx = ["-O3", "-g0", "-std=c++20", "-fopenmp", "-DPy_LIMITED_API=0x03090000", *cpu_flags]
+    # Py_LIMITED_API: BuildExtension defines it for a py_limited_api extension, as the oldest Python torch
+    # supports (3.10, as requires-python); the wheel's abi3 tag below says the same.
+    cxx = ["-O3", "-g0", "-std=c++20", "-fopenmp", *cpu_flags]
     link = ["-fopenmp"]
     if cuda_build_enabled(cuda_sources):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
@@ -121,5 +123,5 @@ if __name__ == "__main__":  # CMakeLists.txt imports this file for X86_FLAGS and
     setup(
         ext_modules=[extension()],
         cmdclass={"build_ext": BuildExtension},
-        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+        options={"bdist_wheel": {"py_limited_api": "cp310"}},
     )

@@ -99,9 +99,9 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction<Op
     const OptTensor norm_weight = present(rest[kNormWeight]), prefix_out = present(rest[kPrefixOut]),
                     prefix_lse = present(rest[kPrefixLse]), out_norm_weight = present(rest[kOutNormWeight]);
     const auto out_dtype = static_cast<at::ScalarType>(ctx->saved_data["out_dtype"].toInt());
-    const ReadOptions options{ctx->saved_data["eps"].toDouble(), ctx->saved_data["out_norm_eps"].toDouble(),
-                              ctx->saved_data["scale"].toDouble(), ctx->saved_data["normalize_values"].toBool(),
-                              ctx->saved_data["out_dtype_given"].toBool() ? c10::optional(out_dtype) : c10::nullopt};
+    ReadOptions options{ctx->saved_data["eps"].toDouble(), ctx->saved_data["out_norm_eps"].toDouble(),
+                        ctx->saved_data["scale"].toDouble(), ctx->saved_data["normalize_values"].toBool()};
+    if (ctx->saved_data["out_dtype_given"].toBool()) options.out_dtype = out_dtype;
     const at::Tensor &grad_out = grads[0], &grad_lse = grads[1], &grad_logits = grads[2];
 
     std::vector<at::Tensor> result;  // one gradient per input of forward (options included)
