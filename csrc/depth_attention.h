@@ -45,6 +45,8 @@ struct ReadOptions {
 #define ATTNRES_READ_OPTIONS_PARAMS \
   double eps, double out_norm_eps, double scale, bool normalize_values, c10::optional<at::ScalarType> out_dtype
 #define ATTNRES_READ_OPTIONS (::attnres::ReadOptions{eps, out_norm_eps, scale, normalize_values, out_dtype})
+// The field types alone, for typed dispatcher handles (OperatorHandle::typed<...>).
+#define ATTNRES_READ_OPTIONS_TYPES double, double, double, bool, c10::optional<at::ScalarType>
 
 // Name of the vector instruction set the CPU kernels were compiled for.
 const char* cpu_vector_isa();

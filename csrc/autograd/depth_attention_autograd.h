@@ -30,20 +30,18 @@ namespace autograd {
 namespace depth_read {
 namespace {
 
-// The ReadOptions fields as the ops' trailing arguments (ATTNRES_READ_OPTIONS_PARAMS).
-#define OPTION_TYPES double, double, double, bool, c10::optional<at::ScalarType>
 using FwdSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&,
                                                                                 const OptTensor&, const OptTensor&,
                                                                                 const OptTensor&, const OptTensor&,
-                                                                                OPTION_TYPES);
+                                                                                ATTNRES_READ_OPTIONS_TYPES);
 using BwdSignature = std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const OptTensor&, const OptTensor&, at::TensorList, const at::Tensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&, OPTION_TYPES);
+    const OptTensor&, const OptTensor&, const OptTensor&, const at::Tensor&, const at::Tensor&,
+    ATTNRES_READ_OPTIONS_TYPES);
 using DifferentiableBwdSignature = std::vector<at::Tensor>(const OptTensor&, const OptTensor&, const OptTensor&,
                                                            at::TensorList, const at::Tensor&, const OptTensor&,
                                                            const OptTensor&, const OptTensor&, const OptTensor&,
-                                                           OPTION_TYPES);
-#undef OPTION_TYPES
+                                                           ATTNRES_READ_OPTIONS_TYPES);
 
 // Positions of the tensors after the sources in the saved list.
 enum Saved { kQuery, kNormWeight, kPrefixOut, kPrefixLse, kOutNormWeight, kLogits, kRinv, kNumSaved };

@@ -3,6 +3,8 @@
 // the same read written with plain ATen ops in double precision; checks mixed
 // source dtypes, the C++ autograd of the forward, and that a double backward
 // without the Python package fails with a clear error instead of a wrong result.
+#include "../depth_attention.h"  // ReadOptions
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -58,7 +60,8 @@ auto fwd_op() {
   return c10::Dispatcher::singleton()
       .findSchemaOrThrow("attnres::depth_attn_fwd", "")
       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>(at::TensorList, const at::Tensor&, const Opt&,
-                                                                        const Opt&, const Opt&, const Opt&, double)>();
+                                                                        const Opt&, const Opt&, const Opt&,
+                                                                        ATTNRES_READ_OPTIONS_TYPES)>();
 }
 
 auto bwd_op() {
@@ -66,7 +69,22 @@ auto bwd_op() {
       .findSchemaOrThrow("attnres::depth_attn_bwd", "")
       .typed<std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
           const at::Tensor&, const Opt&, const Opt&, at::TensorList, const at::Tensor&, const Opt&, const Opt&,
-          const Opt&, const Opt&, const at::Tensor&, const at::Tensor&, double)>();
+          const Opt&, const Opt&, const at::Tensor&, const at::Tensor&, ATTNRES_READ_OPTIONS_TYPES)>();
+}
+
+// The read of `query` over `sources` with no optional tensor inputs, options spread as the ops' trailing arguments.
+auto fwd(const std::vector<at::Tensor>& sources, const at::Tensor& query, const attnres::ReadOptions& options) {
+  return std::apply([&](auto... option) { return fwd_op().call(sources, query, {}, {}, {}, {}, option...); },
+                    options.as_tuple());
+}
+
+auto bwd(const at::Tensor& dy, const std::vector<at::Tensor>& sources, const at::Tensor& query,
+         const at::Tensor& logits, const at::Tensor& rinv, const attnres::ReadOptions& options) {
+  return std::apply(
+      [&](auto... option) {
+        return bwd_op().call(dy, {}, {}, sources, query, {}, {}, {}, {}, logits, rinv, option...);
+      },
+      options.as_tuple());
 }
 
 // One read over sources of the given dtypes against the fp64 reference of the same values.
@@ -82,9 +100,10 @@ bool test_read(const std::vector<at::ScalarType>& dtypes, const char* label) {
   // A [1, D] query with no key-norm weight: u is the query itself.
   const at::Tensor u = 0.3 * at::randn({1, d});
   const at::Tensor dy = at::randn({1, m, d}).to(out_dtype);
-  auto [out, lse, logits, rinv] = fwd_op().call(sources, u, {}, {}, {}, {}, eps);
+  const attnres::ReadOptions options{eps};
+  auto [out, lse, logits, rinv] = fwd(sources, u, options);
   auto [grad_sources, grad_u, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g] =
-      bwd_op().call(dy, {}, {}, sources, u, {}, {}, {}, {}, logits, rinv, eps);
+      bwd(dy, sources, u, logits, rinv, options);
   const Reference ref = reference_read(sources, u, dy, eps);
 
   const std::string p = std::string(label) + " ";
@@ -108,7 +127,7 @@ bool test_autograd() {
   for (int i = 0; i < 3; ++i) sources.push_back(at::randn({m, d}, at::kDouble).requires_grad_());
   const at::Tensor w = at::randn({d}, at::kDouble).requires_grad_();
   const at::Tensor dy = at::randn({m, d}, at::kDouble);
-  auto [out, lse, logits, rinv] = fwd_op().call(sources, w, {}, {}, {}, {}, 1e-6);
+  auto [out, lse, logits, rinv] = fwd(sources, w, attnres::ReadOptions{});
   bool ok = check(out.requires_grad() && !rinv.requires_grad(), "autograd: out differentiable, rinv not");
   std::vector<at::Tensor> inputs = sources;
   inputs.push_back(w);
@@ -117,7 +136,7 @@ bool test_autograd() {
   {
     at::NoGradGuard no_grad;
     auto [d_sources, d_query, d_norm, d_prefix_out, d_prefix_lse, d_g] =
-        bwd_op().call(dy, {}, {}, sources, w, {}, {}, {}, {}, logits, rinv, 1e-6);
+        bwd(dy, sources, w, logits, rinv, attnres::ReadOptions{});
     for (size_t i = 0; i < sources.size(); ++i) ok = close("autograd grad_source", grads[i], d_sources[i], 1e-12) && ok;
     ok = close("autograd grad_query", grads.back(), d_query, 1e-12) && ok;
   }
