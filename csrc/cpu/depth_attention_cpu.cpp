@@ -483,6 +483,13 @@ inline void store_streaming(const Vectorized<T>& v, T* p) {
   v.store(p);
 }
 
+// Whether store_streaming issues non-temporal stores (elsewhere it is a plain store).
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kStreamingStores = true;
+#else
+constexpr bool kStreamingStores = false;
+#endif
+
 // Non-temporal stores of rounded bf16 vector pairs into several rows at once (the multi-site forward's
 // output rows), a whole cache line at a time. With AVX2 a pair of float vectors rounds to 32
 // bytes, half a line: streamed as they were done, a sweep over N rows left N half-written lines in
@@ -496,7 +503,9 @@ inline void store_streaming(const Vectorized<T>& v, T* p) {
 class Bf16LineStreams {
  public:
   using bVec = Vectorized<at::BFloat16>;
-  static constexpr bool kHalfLines = bVec::size() * sizeof(at::BFloat16) < 64;
+  // Only non-temporal stores need whole lines: plain stores (the default ISA, or NEON's 16-byte vectors
+  // on Arm, a quarter line) go out as they come.
+  static constexpr bool kHalfLines = kStreamingStores && bVec::size() * sizeof(at::BFloat16) < 64;
   static_assert(!kHalfLines || 2 * bVec::size() * sizeof(at::BFloat16) == 64);
 
   explicit Bf16LineStreams(int64_t rows) : first_halves_(kHalfLines ? rows * bVec::size() : 0) {}
