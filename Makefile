@@ -4,7 +4,8 @@
 #                the SIMT harness) and the ahead-of-time check of all GPU code
 # Other targets: make lint (ruff + clang-format), make bench (pytest --benchmark),
 # make sweep (benchmarks/results/cpu.md), make cmake, make cuda-build (the CUDA
-# binding built for real against a CUDA build of torch in .venv-cuda; no GPU needed).
+# binding built for real against a CUDA build of torch in .venv-cuda; no GPU needed),
+# make portable-check (the CPU kernels' code for other CPUs than the build machine's).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -14,7 +15,7 @@ ARGS ?=
 export MAX_JOBS ?= 2
 NATIVE_SOURCES := setup.py pyproject.toml $(wildcard csrc/*.cpp csrc/*.h csrc/autograd/*.cpp csrc/autograd/*.h csrc/cpu/*.cpp csrc/cpu/*.h csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h)
 
-.PHONY: demo test pytest aot-check lint format bench sweep cmake cuda-build clean gpu-bench
+.PHONY: demo test pytest aot-check lint format bench sweep cmake cuda-build portable-check clean gpu-bench
 
 $(VENV)/.runtime: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +101,44 @@ cuda-build: $(CUDA_VENV)/.installed
 	  print('cuda-build OK: torch', torch.__version__, '(CUDA', torch.version.cuda + '):', \
 	        'attnres::depth_attn_fwd/bwd, attn_fwd/bwd and block_step_fwd/bwd have CUDA kernels;', \
 	        torch.ops.attnres.build_info())"
+
+# The CPU kernels' code for CPUs other than the build machine's, which the tests above never run:
+# - portable-check-<isa>: the extension built for that vector ISA in a copy of the sources, and the
+#   CPU op tests run against it: `default` (no AVX: the code CPUs without AVX2 take, and Arm's with
+#   NEON vectors) always, `avx2` too on a machine whose own build is AVX-512 (setup.py's test);
+# - portable-check-aarch64: the CPU kernels' sources compiled for aarch64 (-fsyntax-only: parsing and
+#   template instantiation against torch's NEON vector headers, no object code; -Wno-psabi: GCC's
+#   notes on an ABI change of GCC 10), with Debian's cross compiler, installed here when missing.
+# The tests run torch on one thread: they run beside other jobs (CI's pytest), and PyTorch's OpenMP
+# threads spin while they wait (two processes of two threads on two cores: 60 s of tests took 570 s).
+# (Not .PHONY: make skips the pattern rule's search for phony targets.)
+PORTABLE_SRC := build/portable
+AARCH64_CXX ?= aarch64-linux-gnu-g++
+PORTABLE_TESTS := tests/test_cpu_op.py tests/test_attention.py tests/test_block_step.py
+HOST_AVX512 := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -w avx512f | grep -w avx512bw \
+                 | grep -w avx512vl | grep -w avx512dq | grep -qw fma && echo yes)
+PORTABLE_ISAS := default $(if $(HOST_AVX512),avx2)
+portable-check: $(addprefix portable-check-,$(PORTABLE_ISAS)) portable-check-aarch64
+
+portable-check-%: $(VENV)/.dev $(VENV)/.built
+	rm -rf $(PORTABLE_SRC)/$* && mkdir -p $(PORTABLE_SRC)/$*
+	cp -r setup.py pyproject.toml README.md csrc attnres_kernels tests $(PORTABLE_SRC)/$*/
+	rm -f $(PORTABLE_SRC)/$*/attnres_kernels/_C*.so
+	cd $(PORTABLE_SRC)/$* && ATTNRES_CPU_CAPABILITY=$* ATTNRES_SKIP_CUDA_BUILD=1 \
+	  $(abspath $(PY)) setup.py -q build_ext --inplace
+	cd $(PORTABLE_SRC)/$* && $(abspath $(PY)) -c "import attnres_kernels as ak; info = ak.build_info(); \
+	  assert ak.__file__.startswith('$(abspath $(PORTABLE_SRC)/$*)') and 'CPU vector ISA: $*;' in info, info"
+	cd $(PORTABLE_SRC)/$* && OMP_NUM_THREADS=1 $(abspath $(PY)) -m pytest -q -p no:cacheprovider $(PORTABLE_TESTS) \
+	  -k "not triton"
+
+portable-check-aarch64: $(VENV)/.built
+	command -v $(AARCH64_CXX) >/dev/null || apt-get install -y -q g++-aarch64-linux-gnu \
+	  || (apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu)
+	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
+	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
+	for f in csrc/cpu/*.cpp; do \
+	  echo "aarch64: $$f"; $(AARCH64_CXX) -fsyntax-only -Wno-psabi -std=c++20 -fopenmp -Icsrc $$includes $$f || exit 1; \
+	done
 
 clean:
 	rm -rf build $(VENV) $(CUDA_VENV) attnres_kernels/_C*.so *.egg-info
