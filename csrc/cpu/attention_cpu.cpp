@@ -746,15 +746,15 @@ __attribute__((target("avx512bf16"), noinline)) void decode_scores16_bf16_dot(co
   for (int r = 0; r < RB; ++r) std::copy(out + r * KB, out + (r + 1) * KB, s + r * lds);
 }
 
-// Whether the bf16 decode scores take AMX tiles: the CPU has AMX-BF16 and the OS grants this
-// process the tile state (at::cpu::init_amx asks for it), asked once per process.
-// ATTNRES_CPU_AMX=0 turns their use off (the tests run both paths on a machine that has it).
+// Whether the bf16 decode scores take AMX tiles: the CPU has AMX-BF16 and AMX-TILE (CPUID.(7,0):
+// EDX[22] and [24]) and the OS grants this process the tile state (at::cpu::init_amx asks for it),
+// asked once per process. ATTNRES_CPU_AMX=0 turns their use off (the tests run both paths on a
+// machine that has it).
 bool use_amx_bf16() {
   static const bool use = [] {
-    __builtin_cpu_init();
     const char* env = std::getenv("ATTNRES_CPU_AMX");
     if (env != nullptr && std::string(env) == "0") return false;
-    return __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") && at::cpu::init_amx();
+    return cpuid_leaf7_bit(0, 3, 22) && cpuid_leaf7_bit(0, 3, 24) && at::cpu::init_amx();
   }();
   return use;
 }

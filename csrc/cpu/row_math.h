@@ -9,6 +9,9 @@
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+#if defined(CPU_CAPABILITY_AVX512)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -18,15 +21,24 @@
 namespace attnres {
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Whether this CPU has AVX512-BF16 (vdpbf16ps), asked once per process: the kernels that
-// use it (the bf16 decode scores) are compiled for that target alone and called only when
-// this is true. ATTNRES_CPU_AVX512_BF16=0 turns their use off (the tests run both paths on a machine
-// that has it).
+// Bit `bit` of register `reg` (0 = EAX, 1 = EBX, 2 = ECX, 3 = EDX) of CPUID leaf 7, sub-leaf
+// `subleaf`, where the extensions below have their flags. (Read directly: __builtin_cpu_supports
+// names AMX only from GCC 11 and Clang 16 on, and the AVX-512 state these need is the build's
+// premise anyway.)
+inline bool cpuid_leaf7_bit(unsigned subleaf, int reg, int bit) {
+  unsigned regs[4] = {0, 0, 0, 0};
+  if (__get_cpuid_count(7, subleaf, &regs[0], &regs[1], &regs[2], &regs[3]) == 0) return false;
+  return ((regs[reg] >> bit) & 1u) != 0;
+}
+
+// Whether this CPU has AVX512-BF16 (vdpbf16ps; CPUID.(7,1):EAX[5]), asked once per process: the
+// kernels that use it (the bf16 decode scores) are compiled for that target alone and called only
+// when this is true. ATTNRES_CPU_AVX512_BF16=0 turns their use off (the tests run both paths on a
+// machine that has it).
 inline bool use_avx512_bf16() {
   static const bool use = [] {
-    __builtin_cpu_init();
     const char* env = std::getenv("ATTNRES_CPU_AVX512_BF16");
-    return __builtin_cpu_supports("avx512bf16") && !(env != nullptr && std::string(env) == "0");
+    return cpuid_leaf7_bit(1, 0, 5) && !(env != nullptr && std::string(env) == "0");
   }();
   return use;
 }
