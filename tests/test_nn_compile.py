@@ -56,6 +56,12 @@ def train_steps(model, run, idx, target, steps):
 
 
 def check_compiled(name, compiler, backend, steps=3, **kwargs):
+    """With ``aot_eager`` the compiled model runs the ATen calls eager runs (the fused ops are opaque);
+    Inductor generates its own fp32 code (fused, reordered sums; its own vectorized exp), so its results
+    get a tolerance of 1e-4: over 40 seeds on an AVX-512 CPU, Inductor against eager differed by at most
+    4.4e-6 in the logits and 1.7e-6 in the gradients of the 2-step case below, and one CI run's seed by
+    1.4e-5 in one logit of 0.07 (over the 1e-5 that aot_eager keeps)."""
+    tol = dict(rtol=1e-4, atol=1e-4) if compiler == "inductor" else None
     compiled_model, eager_model = make(name, backend=backend, **kwargs), make(name, backend=backend, **kwargs)
     eager_model.load_state_dict(compiled_model.state_dict())
     counter = torch._dynamo.testing.CompileCounterWithBackend(compiler)
@@ -66,9 +72,9 @@ def check_compiled(name, compiler, backend, steps=3, **kwargs):
     assert counter.frame_count == 1, f"{counter.frame_count} compilations in {steps} steps (recompiled)"
     assert not counters["graph_break"], dict(counters["graph_break"])
     for (a, grads_a), (b, grads_b) in zip(got, expected):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a, b, **(tol or dict(rtol=1e-5, atol=1e-5)))
         for ga, gb in zip(grads_a, grads_b):
-            torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ga, gb, **(tol or dict(rtol=1e-4, atol=1e-5)))
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
