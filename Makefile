@@ -108,7 +108,9 @@ cuda-build: $(CUDA_VENV)/.installed
 #   NEON vectors) always, `avx2` too on a machine whose own build is AVX-512 (setup.py's test);
 # - portable-check-aarch64: the CPU kernels' sources compiled for aarch64 (-fsyntax-only: parsing and
 #   template instantiation against torch's NEON vector headers, no object code; -Wno-psabi: GCC's
-#   notes on an ABI change of GCC 10), with Debian's cross compiler, installed here when missing.
+#   notes on an ABI change of GCC 10), with Debian's cross compiler, installed here when missing;
+# - portable-check-clang: the same sources through Clang (Debian's, installed here when missing), for
+#   aarch64 (the compiler of Apple's Arm machines) and for x86 with the AVX-512 build's flags.
 # The tests run torch on one thread: they run beside other jobs (CI's pytest), and PyTorch's OpenMP
 # threads spin while they wait (two processes of two threads on two cores: 60 s of tests took 570 s).
 # (Not .PHONY: make skips the pattern rule's search for phony targets.)
@@ -118,7 +120,7 @@ PORTABLE_TESTS := tests/test_cpu_op.py tests/test_attention.py tests/test_block_
 HOST_AVX512 := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -w avx512f | grep -w avx512bw \
                  | grep -w avx512vl | grep -w avx512dq | grep -qw fma && echo yes)
 PORTABLE_ISAS := default $(if $(HOST_AVX512),avx2)
-portable-check: $(addprefix portable-check-,$(PORTABLE_ISAS)) portable-check-aarch64
+portable-check: $(addprefix portable-check-,$(PORTABLE_ISAS)) portable-check-aarch64 portable-check-clang
 
 portable-check-%: $(VENV)/.dev $(VENV)/.built
 	rm -rf $(PORTABLE_SRC)/$* && mkdir -p $(PORTABLE_SRC)/$*
@@ -138,6 +140,20 @@ portable-check-aarch64: $(VENV)/.built
 	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
 	for f in csrc/cpu/*.cpp; do \
 	  echo "aarch64: $$f"; $(AARCH64_CXX) -fsyntax-only -Wno-psabi -std=c++20 -fopenmp -Icsrc $$includes $$f || exit 1; \
+	done
+
+CLANG_CXX ?= clang++-15
+AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512
+portable-check-clang: portable-check-aarch64
+	command -v $(CLANG_CXX) >/dev/null || apt-get install -y -q clang-15 \
+	  || (apt-get update -q && apt-get install -y -q clang-15)
+	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
+	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
+	for f in csrc/cpu/*.cpp; do \
+	  echo "clang aarch64, x86 AVX-512: $$f"; \
+	  $(CLANG_CXX) --target=aarch64-linux-gnu --sysroot=/usr/aarch64-linux-gnu -fsyntax-only -std=c++20 \
+	    -Icsrc $$includes $$f || exit 1; \
+	  $(CLANG_CXX) -fsyntax-only -std=c++20 $(AVX512_FLAGS) -Icsrc $$includes $$f || exit 1; \
 	done
 
 clean:
