@@ -14,6 +14,7 @@ import glob
 import os
 import platform
 import shutil
+import sys
 
 import torch
 from setuptools import setup
@@ -91,13 +92,16 @@ def extension():
     sources += sorted(glob.glob("csrc/cpu/*.cpp"))
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu"))
     # -fopenmp: at::parallel_for is an inline OpenMP loop; without the flag it runs
-    # on one thread. libgomp resolves to the copy torch already loaded.
+    # on one thread. libgomp resolves to the copy torch already loaded. Apple's Clang
+    # has no OpenMP and rejects the flag: on macOS (not tested here) the kernels are
+    # built without it and run on one thread.
     # C++20: torch >= 2.14 requires it (and 2.13 builds with it too).
     # -g0: no debug info (Python's default flags ask for it): a third less compile time.
     # Py_LIMITED_API: BuildExtension defines it for a py_limited_api extension, as the oldest Python torch
     # supports (3.10, as requires-python); the wheel's abi3 tag below says the same.
-    cxx = ["-O3", "-g0", "-std=c++20", "-fopenmp", *cpu_flags]
-    link = ["-fopenmp"]
+    openmp = [] if sys.platform == "darwin" else ["-fopenmp"]
+    cxx = ["-O3", "-g0", "-std=c++20", *openmp, *cpu_flags]
+    link = openmp
     if cuda_build_enabled(cuda_sources):
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
         # No --use_fast_math: the kernels are memory-bound, and exp/log/sqrt/division
