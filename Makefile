@@ -111,10 +111,12 @@ cuda-build: $(CUDA_VENV)/.installed
 #   notes on an ABI change of GCC 10), with Debian's cross compiler, installed here when missing;
 # - portable-check-clang: the same sources through Clang (Debian's, installed here when missing), for
 #   aarch64 (the compiler of Apple's Arm machines) and for x86 with the AVX-512 build's flags.
+#   (apt-get runs through sudo for a user other than root.)
 # The tests run torch on one thread: they run beside other jobs (CI's pytest), and PyTorch's OpenMP
 # threads spin while they wait (two processes of two threads on two cores: 60 s of tests took 570 s).
 # (Not .PHONY: make skips the pattern rule's search for phony targets.)
 PORTABLE_SRC := build/portable
+APT_GET := $(if $(filter 0,$(shell id -u)),,sudo )apt-get
 AARCH64_CXX ?= aarch64-linux-gnu-g++
 PORTABLE_TESTS := tests/test_cpu_op.py tests/test_attention.py tests/test_block_step.py
 HOST_AVX512 := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -w avx512f | grep -w avx512bw \
@@ -134,8 +136,8 @@ portable-check-%: $(VENV)/.dev $(VENV)/.built
 	  -k "not triton"
 
 portable-check-aarch64: $(VENV)/.built
-	command -v $(AARCH64_CXX) >/dev/null || apt-get install -y -q g++-aarch64-linux-gnu \
-	  || (apt-get update -q && apt-get install -y -q g++-aarch64-linux-gnu)
+	command -v $(AARCH64_CXX) >/dev/null || $(APT_GET) install -y -q g++-aarch64-linux-gnu \
+	  || ($(APT_GET) update -q && $(APT_GET) install -y -q g++-aarch64-linux-gnu)
 	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
 	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
 	for f in csrc/cpu/*.cpp; do \
@@ -145,8 +147,8 @@ portable-check-aarch64: $(VENV)/.built
 CLANG_CXX ?= clang++-15
 AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -DCPU_CAPABILITY=AVX512 -DCPU_CAPABILITY_AVX512
 portable-check-clang: portable-check-aarch64
-	command -v $(CLANG_CXX) >/dev/null || apt-get install -y -q clang-15 \
-	  || (apt-get update -q && apt-get install -y -q clang-15)
+	command -v $(CLANG_CXX) >/dev/null || $(APT_GET) install -y -q clang-15 \
+	  || ($(APT_GET) update -q && $(APT_GET) install -y -q clang-15)
 	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
 	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
 	for f in csrc/cpu/*.cpp; do \
