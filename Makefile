@@ -119,6 +119,9 @@ PORTABLE_SRC := build/portable
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo )apt-get
 AARCH64_CXX ?= aarch64-linux-gnu-g++
 PORTABLE_TESTS := tests/test_cpu_op.py tests/test_attention.py tests/test_block_step.py
+# torch's and Python's include directories (expanded when a recipe runs, after the venv exists).
+TORCH_INCLUDES = $(shell $(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
+                   print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")
 HOST_AVX512 := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | grep -w avx512f | grep -w avx512bw \
                  | grep -w avx512vl | grep -w avx512dq | grep -qw fma && echo yes)
 PORTABLE_ISAS := default $(if $(HOST_AVX512),avx2)
@@ -138,10 +141,8 @@ portable-check-%: $(VENV)/.dev $(VENV)/.built
 portable-check-aarch64: $(VENV)/.built
 	command -v $(AARCH64_CXX) >/dev/null || $(APT_GET) install -y -q g++-aarch64-linux-gnu \
 	  || ($(APT_GET) update -q && $(APT_GET) install -y -q g++-aarch64-linux-gnu)
-	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
-	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
 	for f in csrc/cpu/*.cpp; do \
-	  echo "aarch64: $$f"; $(AARCH64_CXX) -fsyntax-only -Wno-psabi -std=c++20 -fopenmp -Icsrc $$includes $$f || exit 1; \
+	  echo "aarch64: $$f"; $(AARCH64_CXX) -fsyntax-only -Wno-psabi -std=c++20 -fopenmp -Icsrc $(TORCH_INCLUDES) $$f || exit 1; \
 	done
 
 CLANG_CXX ?= clang++-15
@@ -149,13 +150,11 @@ AVX512_FLAGS := -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c -DCPU_CA
 portable-check-clang: portable-check-aarch64
 	command -v $(CLANG_CXX) >/dev/null || $(APT_GET) install -y -q clang-15 \
 	  || ($(APT_GET) update -q && $(APT_GET) install -y -q clang-15)
-	includes="$$($(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
-	  print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")"; \
 	for f in csrc/cpu/*.cpp; do \
 	  echo "clang aarch64, x86 AVX-512: $$f"; \
 	  $(CLANG_CXX) --target=aarch64-linux-gnu --sysroot=/usr/aarch64-linux-gnu -fsyntax-only -std=c++20 \
-	    -Icsrc $$includes $$f || exit 1; \
-	  $(CLANG_CXX) -fsyntax-only -std=c++20 $(AVX512_FLAGS) -Icsrc $$includes $$f || exit 1; \
+	    -Icsrc $(TORCH_INCLUDES) $$f || exit 1; \
+	  $(CLANG_CXX) -fsyntax-only -std=c++20 $(AVX512_FLAGS) -Icsrc $(TORCH_INCLUDES) $$f || exit 1; \
 	done
 
 clean:
