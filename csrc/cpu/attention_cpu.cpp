@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -552,6 +553,14 @@ inline T decode_dot(const T* q, const Src* x, int64_t cols) {
   return reduce_sum(s0 + s1);
 }
 
+// A compiler-only barrier (no instruction) between the loads of two key rows in the score functions
+// below: the rows are then read in order, 16 keys one after the other. Without it GCC interleaves the
+// loads of the keys of a block in an order of its own, which the hardware prefetchers do not follow:
+// on Zen 4 (one thread, fp32, Dh = 64, 8 x 4 heads of 8192 keys from memory) the scores alone streamed
+// the keys at 9.6 GB/s against 20 GB/s for the value gather, and a standalone copy of the score block
+// took 44 ns per key with the interleaved loads against 25 ns in order (9.1 against 7.2 ns from L3).
+C10_ALWAYS_INLINE void keys_in_order() { std::atomic_signal_fence(std::memory_order_seq_cst); }
+
 #if defined(CPU_CAPABILITY_AVX2)
 // The horizontal sums of 8 vectors, in order, as one vector: 9 ops instead of 8 separate reductions.
 __attribute__((always_inline)) inline __m256 sum8(const __m256* acc) {
@@ -595,6 +604,7 @@ inline void decode_scores8(const float* q, int64_t ldq, const Src* x, int64_t ld
           acc[r * KB + j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + W), b, acc[r * KB + j]);
         }
       }
+      keys_in_order();
     }
     d += 2 * B * W;
   };
@@ -681,6 +691,7 @@ inline void decode_scores16(const float* q, int64_t ldq, const Src* x, int64_t l
 #pragma GCC unroll 16
       for (int r = 0; r < RB; ++r)
         for (int i = 0; i < 2 * B; ++i) acc[r * KB + j] = _mm512_fmadd_ps(qv[r][i], kv[i], acc[r * KB + j]);
+      keys_in_order();
     }
     d += 2 * B * W;
   };
@@ -738,6 +749,7 @@ __attribute__((target("avx512bf16"), noinline)) void decode_scores16_bf16_dot(co
         acc[r * KB + j] =
             _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[r * KB + j], q_first[r], k_first), q_second[r], k_second);
       }
+      keys_in_order();
     }
   }
   alignas(64) float out[16];
