@@ -96,7 +96,8 @@ inline SourceRows check_sources(const at::TensorList sources) {
                 ", sources[0] has ", first.sizes());
     TORCH_CHECK(s.device() == first.device(), "depth attention: sources on different devices");
     out.out_dtype = c10::promoteTypes(out.out_dtype, s.scalar_type());
-    at::Tensor r = s.reshape({out.num_rows, out.dim});
+    // A [M, D] source is its own row view (no view to make per source and call).
+    at::Tensor r = s.dim() == 2 ? s : s.reshape({out.num_rows, out.dim});
     if (r.stride(1) != 1) r = r.contiguous();
     out.rows.push_back(std::move(r));
   }
@@ -127,6 +128,56 @@ inline void check_site_param(const at::Tensor& t, const char* name, int64_t q, b
               " with D = ", dim, site_dim ? " and Q = " + std::to_string(q) : std::string(), ", got ", t.sizes());
 }
 
+// u and g of check_site_params for CPU tensors, as plain loops: the same products in the same
+// order ((query ⊙ norm_weight) · scale, each rounded to acc; bitwise the ATen ops' results), without
+// the ATen calls (expand, mul, contiguous) that a small read's forward and backward each paid.
+// Raw ops at one row (N=3, D=128, out norm, one thread, alternating runs): forward 11.4-11.8 ->
+// 9.8-10.0 µs, backward 15.8-16.6 -> 12.8-13.2 µs per call.
+inline void site_params_cpu(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
+                            const c10::optional<at::Tensor>& out_norm_weight, double scale,
+                            const std::vector<int64_t>& qd, at::ScalarType acc, SiteParams& p) {
+  const int64_t sites = qd[0], dim = qd[1];
+  // A [D] or [Q, D] parameter in acc (no copy when it already is), and the element strides of its
+  // site and column dims (0 for the site dim of a shared [D] parameter).
+  auto as_acc = [&](const at::Tensor& t) {
+    at::Tensor a = t.to(acc);
+    const int64_t site_stride = a.dim() == 2 ? a.stride(0) : 0;
+    return std::make_tuple(a, site_stride, a.stride(-1));
+  };
+  auto fill = [&](auto zero) {
+    using acc_t = decltype(zero);
+    const auto [q, q_site, q_col] = as_acc(query);
+    const acc_t* qp = q.template const_data_ptr<acc_t>();
+    p.u = at::empty(qd, q.options());
+    acc_t* u = p.u.template mutable_data_ptr<acc_t>();
+    for (int64_t s = 0; s < sites; ++s)
+      for (int64_t d = 0; d < dim; ++d) u[s * dim + d] = qp[s * q_site + d * q_col];
+    if (norm_weight.has_value()) {
+      const auto [w, w_site, w_col] = as_acc(*norm_weight);
+      const acc_t* wp = w.template const_data_ptr<acc_t>();
+      for (int64_t s = 0; s < sites; ++s)
+        for (int64_t d = 0; d < dim; ++d) u[s * dim + d] *= wp[s * w_site + d * w_col];
+    }
+    if (scale != 1.0) {
+      const auto k = static_cast<acc_t>(scale);
+      for (int64_t i = 0; i < sites * dim; ++i) u[i] *= k;
+    }
+    if (out_norm_weight.has_value()) {
+      const auto [g, g_site, g_col] = as_acc(*out_norm_weight);
+      const acc_t* gp = g.template const_data_ptr<acc_t>();
+      p.g = at::empty(qd, g.options());
+      acc_t* out = p.g.template mutable_data_ptr<acc_t>();
+      for (int64_t s = 0; s < sites; ++s)
+        for (int64_t d = 0; d < dim; ++d) out[s * dim + d] = gp[s * g_site + d * g_col];
+    }
+  };
+  if (acc == at::kDouble) {
+    fill(double());
+  } else {
+    fill(float());
+  }
+}
+
 inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
                                     const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
                                     double scale) {
@@ -140,17 +191,19 @@ inline SiteParams check_site_params(const at::Tensor& query, const c10::optional
   TORCH_CHECK(p.num_sites > 0, "depth attention: `query` has Q = 0 sites");
   if (site_dim) p.q_dims = {p.num_sites};
   check_site_param(query, "query", p.num_sites, site_dim, src.dim, device);
-  const std::vector<int64_t> qd = {p.num_sites, src.dim};
-  p.u = query.to(acc).expand(qd);
-  if (norm_weight.has_value()) {
-    check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, src.dim, device);
-    p.u = p.u.mul(norm_weight->to(acc));
-  }
-  p.u = scale == 1.0 ? p.u.contiguous() : p.u.mul(scale).contiguous();
+  if (norm_weight.has_value()) check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, src.dim, device);
   if (out_norm_weight.has_value()) {
     check_site_param(*out_norm_weight, "out_norm_weight", p.num_sites, site_dim, src.dim, device);
-    p.g = out_norm_weight->to(acc).expand(qd).contiguous();
   }
+  const std::vector<int64_t> qd = {p.num_sites, src.dim};
+  if (device.is_cpu()) {
+    site_params_cpu(query, norm_weight, out_norm_weight, scale, qd, acc, p);
+    return p;
+  }
+  p.u = query.to(acc).expand(qd);
+  if (norm_weight.has_value()) p.u = p.u.mul(norm_weight->to(acc));
+  p.u = scale == 1.0 ? p.u.contiguous() : p.u.mul(scale).contiguous();
+  if (out_norm_weight.has_value()) p.g = out_norm_weight->to(acc).expand(qd).contiguous();
   return p;
 }
 
