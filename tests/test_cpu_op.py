@@ -301,3 +301,57 @@ def test_backward_sweeps_read_rows_in_place(dtype, rows, d, q, out_norm, normali
     assert len(names) == len(fused) - 2
     for name, a, b, c in zip(names, grouped(fused), grouped(same), grouped(oracle)):
         assert_close_to_oracle(name, a, b, c)
+
+
+def _param(shape, dtype, layout, shift=0.0, scale=1.0):
+    """shift + scale * N(0, 1) of `shape` ([D] or [Q, D]) laid out as every other element of a wider
+    tensor, or (for [Q, D]) as the transpose of a [D, Q] tensor; contiguous otherwise."""
+    if layout == "every other":
+        t = (shift + scale * torch.randn(*shape[:-1], 2 * shape[-1], dtype=torch.float64)).to(dtype)[..., ::2]
+    elif layout == "transposed" and len(shape) == 2:
+        t = (shift + scale * torch.randn(shape[1], shape[0], dtype=torch.float64)).to(dtype).t()
+    else:
+        t = (shift + scale * torch.randn(shape, dtype=torch.float64)).to(dtype)
+    return t
+
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "q,w_shared,g_shared,layout",
+    [
+        (None, True, True, "every other"),
+        (3, True, True, "every other"),
+        (3, True, False, "transposed"),
+        (3, False, True, "transposed"),
+        (3, False, False, "every other"),
+    ],
+)
+def test_site_parameters_of_any_shape_dtype_and_layout(param_dtype, q, w_shared, g_shared, layout):
+    """The CPU op forms u = (query ⊙ norm_weight) · scale and the output-norm weight from [D] (shared by
+    the sites) or [Q, D] parameters of any float dtype and strides: outputs and gradients are bitwise
+    those of contiguous copies of the parameters, and as close to the fp64 reference as PyTorch's."""
+    d = 37
+    sources = make_sources(3, (2, 5), d)
+    site_shape = (d,) if q is None else (q, d)
+    query = _param(site_shape, param_dtype, layout, scale=0.5)
+    norm_weight = _param((d,) if w_shared else site_shape, param_dtype, layout, 1.0, 0.3)
+    out_norm_weight = _param((d,) if g_shared else site_shape, param_dtype, layout, 1.0, 0.3)
+    assert not query.is_contiguous()
+
+    def run(read, srcs, params, **backend):
+        srcs = [s.detach().clone().requires_grad_() for s in srcs]
+        params = [p.detach().requires_grad_() for p in params]
+        out = read(params[0], srcs, params[1], out_norm_weight=params[2], scale=0.37, **backend)
+        torch.manual_seed(0)
+        return [out, *torch.autograd.grad((out * torch.randn(out.shape, dtype=out.dtype)).sum(), srcs + params)]
+
+    params = [query, norm_weight, out_norm_weight]
+    fused = run(ak.depth_attention, sources, params, backend="cpu")
+    contiguous = run(ak.depth_attention, sources, [p.contiguous() for p in params], backend="cpu")
+    for k, (a, b) in enumerate(zip(fused, contiguous)):
+        assert a.dtype == b.dtype and torch.equal(a, b), k
+    same = run(reference.depth_attention, sources, params)
+    oracle = run(reference.depth_attention, [s.double() for s in sources], [p.double() for p in params])
+    for k, (a, b, c) in enumerate(zip(fused, same, oracle)):
+        assert a.dtype == b.dtype and a.shape == b.shape, k
+        assert_close_to_oracle(f"result {k}", a, b, c)
