@@ -137,38 +137,32 @@ inline void site_params_cpu(const at::Tensor& query, const c10::optional<at::Ten
                             const c10::optional<at::Tensor>& out_norm_weight, double scale,
                             const std::vector<int64_t>& qd, at::ScalarType acc, SiteParams& p) {
   const int64_t sites = qd[0], dim = qd[1];
-  // A [D] or [Q, D] parameter in acc (no copy when it already is), and the element strides of its
-  // site and column dims (0 for the site dim of a shared [D] parameter).
-  auto as_acc = [&](const at::Tensor& t) {
-    at::Tensor a = t.to(acc);
-    const int64_t site_stride = a.dim() == 2 ? a.stride(0) : 0;
-    return std::make_tuple(a, site_stride, a.stride(-1));
-  };
   auto fill = [&](auto zero) {
     using acc_t = decltype(zero);
-    const auto [q, q_site, q_col] = as_acc(query);
-    const acc_t* qp = q.template const_data_ptr<acc_t>();
-    p.u = at::empty(qd, q.options());
+    // out[s, d] = t[s, d] (or *= it) for a [D] parameter shared by the sites (site stride 0) or a
+    // [Q, D] one, of any strides, read in acc (converted first when it is not).
+    auto take = [&](const at::Tensor& t, acc_t* out, bool multiply) {
+      const at::Tensor a = t.to(acc);
+      const acc_t* x = a.template const_data_ptr<acc_t>();
+      const int64_t site_stride = a.dim() == 2 ? a.stride(0) : 0, col_stride = a.stride(-1);
+      for (int64_t s = 0; s < sites; ++s) {
+        for (int64_t d = 0; d < dim; ++d) {
+          const acc_t v = x[s * site_stride + d * col_stride];
+          out[s * dim + d] = multiply ? out[s * dim + d] * v : v;
+        }
+      }
+    };
+    p.u = at::empty(qd, query.options().dtype(acc));
     acc_t* u = p.u.template mutable_data_ptr<acc_t>();
-    for (int64_t s = 0; s < sites; ++s)
-      for (int64_t d = 0; d < dim; ++d) u[s * dim + d] = qp[s * q_site + d * q_col];
-    if (norm_weight.has_value()) {
-      const auto [w, w_site, w_col] = as_acc(*norm_weight);
-      const acc_t* wp = w.template const_data_ptr<acc_t>();
-      for (int64_t s = 0; s < sites; ++s)
-        for (int64_t d = 0; d < dim; ++d) u[s * dim + d] *= wp[s * w_site + d * w_col];
-    }
+    take(query, u, false);
+    if (norm_weight.has_value()) take(*norm_weight, u, true);
     if (scale != 1.0) {
       const auto k = static_cast<acc_t>(scale);
       for (int64_t i = 0; i < sites * dim; ++i) u[i] *= k;
     }
     if (out_norm_weight.has_value()) {
-      const auto [g, g_site, g_col] = as_acc(*out_norm_weight);
-      const acc_t* gp = g.template const_data_ptr<acc_t>();
-      p.g = at::empty(qd, g.options());
-      acc_t* out = p.g.template mutable_data_ptr<acc_t>();
-      for (int64_t s = 0; s < sites; ++s)
-        for (int64_t d = 0; d < dim; ++d) out[s * dim + d] = gp[s * g_site + d * g_col];
+      p.g = at::empty(qd, p.u.options());
+      take(*out_norm_weight, p.g.template mutable_data_ptr<acc_t>(), false);
     }
   };
   if (acc == at::kDouble) {

@@ -307,12 +307,10 @@ def _param(shape, dtype, layout, shift=0.0, scale=1.0):
     """shift + scale * N(0, 1) of `shape` ([D] or [Q, D]) laid out as every other element of a wider
     tensor, or (for [Q, D]) as the transpose of a [D, Q] tensor; contiguous otherwise."""
     if layout == "every other":
-        t = (shift + scale * torch.randn(*shape[:-1], 2 * shape[-1], dtype=torch.float64)).to(dtype)[..., ::2]
-    elif layout == "transposed" and len(shape) == 2:
-        t = (shift + scale * torch.randn(shape[1], shape[0], dtype=torch.float64)).to(dtype).t()
-    else:
-        t = (shift + scale * torch.randn(shape, dtype=torch.float64)).to(dtype)
-    return t
+        return (shift + scale * torch.randn(*shape[:-1], 2 * shape[-1], dtype=torch.float64)).to(dtype)[..., ::2]
+    if layout == "transposed" and len(shape) == 2:
+        return (shift + scale * torch.randn(shape[1], shape[0], dtype=torch.float64)).to(dtype).t()
+    return (shift + scale * torch.randn(shape, dtype=torch.float64)).to(dtype)
 
 
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16, torch.float64])
