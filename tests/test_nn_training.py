@@ -1,6 +1,7 @@
 """Training features of the nn models: attention through our op, activation
 checkpointing, mixed precision (autocast, bf16 parameters)."""
 
+import collections
 import copy
 
 import pytest
@@ -178,40 +179,61 @@ def logits_and_grads_under(model, idx, target, dtype, device_type="cpu"):
     return logits.detach(), {k: p.grad.float() for k, p in model.named_parameters()}
 
 
+# Batches the mixed-precision comparison sums its errors over. One bf16 run's error against the fp32
+# oracle is a heavy-tailed draw (one batch each at 400 seeds, Full model, CPU kernels vs the reference
+# model: gradient errors of median 0.022 vs 0.026, maximum 0.23 vs 0.21), and one batch against one
+# reference draw failed now and then, kernels or not: at seed 103 the third loss 0.041 off against the
+# reference model's 0.0019, at seed 481 the nn model on the reference backend's gradients 0.12 off
+# against 0.022, at seed 1591372257 the CPU kernels' 0.068 against 0.014. Summed over four batches:
+# no failure in 1600 runs (seeds 0-199, Full, Full-chunked and both Block schedules, CPU kernels and
+# reference backend), while reads that round their bf16 sources to fp8 (e4m3) fail at every seed tried
+# (0-5) in the Full models and at five of six with Block per site.
+AUTOCAST_BATCHES = 4
+
+
 def assert_autocast_training_matches(model, ref, dtype, device_type="cpu"):
-    """Under autocast, one forward/backward agrees with the reference model's by
+    """Under autocast, forward/backward agrees with the reference model's by
     FlashAttention's rule: against an fp32 oracle (a float copy of the reference model,
     no autocast), the logits and all gradients together are off by at most 3x the
     reference model's own error plus a small slack, each gradient within a looser
     bound; three AdamW steps agree too, by the same rule against the oracle's steps
     (with bf16 parameters the steps are chaotic: a 1e-3 update rounds to zero or to a
-    whole bf16 ulp, so two bf16 runs drift apart as either drifts from the oracle)."""
-    idx = torch.randint(0, VOCAB, (2, 8), device=device_type)
-    target = torch.randint(0, VOCAB, (2, 8), device=device_type)
+    whole bf16 ulp, so two bf16 runs drift apart as either drifts from the oracle).
+    Each error and slack is summed over ``AUTOCAST_BATCHES`` batches of fresh tokens
+    (the same weights: each batch's AdamW steps start from copies) before the comparison."""
     oracle = copy.deepcopy(ref).float()
-    (a, grads_a), (b, grads_b) = (logits_and_grads_under(m, idx, target, dtype, device_type) for m in (model, ref))
-    o, grads_o = logits_and_grads_under(oracle, idx, target, None, device_type)
     flat = lambda grads: torch.cat([g.flatten() for g in grads.values()])
     rel = lambda x, y: ((x - y).norm() / y.norm().clamp_min(1e-12)).item()
-    assert rel(a, o) <= 3 * rel(b, o) + 1e-2
-    assert rel(flat(grads_a), flat(grads_o)) <= 3 * rel(flat(grads_b), flat(grads_o)) + 2e-2
-    # Each gradient within a looser sanity bound, its error measured against the larger of its own norm and
-    # the norm a tensor of its size has at the model's RMS gradient: a small gradient (a site's query or
-    # norm weight) carries the rounding noise of the larger ones (measured: a 16-element norm weight
-    # gradient of norm ~3e-3 off by 0.57 of itself against the reference model's 0.10, at seed 22).
-    grads_all = flat(grads_o).norm().item()
-    numel_all = sum(g.numel() for g in grads_o.values())
-    for k, g in grads_o.items():
-        scale = max(g.norm().item(), grads_all * (g.numel() / numel_all) ** 0.5, 1e-12)
-        err_a, err_b = ((x - g).norm().item() / scale for x in (grads_a[k], grads_b[k]))
-        assert err_a <= 3 * err_b + 0.25, (k, err_a, err_b)
-    losses = train(model, idx, target, 3, dtype, device_type)
-    ref_losses = train(ref, idx, target, 3, dtype, device_type)
-    oracle_losses = train(oracle, idx, target, 3, None, device_type)
-    for x, y, z in zip(losses, ref_losses, oracle_losses):
-        assert abs(x - z) <= 3 * abs(y - z) + 1e-2 * abs(z), (losses, ref_losses, oracle_losses)
-    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert p.dtype == q.dtype, k
+    errors = collections.defaultdict(lambda: [0.0, 0.0, 0.0])  # what -> [ours, the reference model's, slack]
+
+    def add(what, ours, theirs, slack):
+        for j, x in enumerate((ours, theirs, slack)):
+            errors[what][j] += x
+
+    for _ in range(AUTOCAST_BATCHES):
+        idx = torch.randint(0, VOCAB, (2, 8), device=device_type)
+        target = torch.randint(0, VOCAB, (2, 8), device=device_type)
+        (a, grads_a), (b, grads_b) = (logits_and_grads_under(m, idx, target, dtype, device_type) for m in (model, ref))
+        o, grads_o = logits_and_grads_under(oracle, idx, target, None, device_type)
+        add("logits", rel(a, o), rel(b, o), 1e-2)
+        add("all gradients", rel(flat(grads_a), flat(grads_o)), rel(flat(grads_b), flat(grads_o)), 2e-2)
+        # Each gradient within a looser sanity bound, its error measured against the larger of its own norm
+        # and the norm a tensor of its size has at the model's RMS gradient: a small gradient (a site's query
+        # or norm weight) carries the rounding noise of the larger ones (measured: a 16-element norm weight
+        # gradient of norm ~3e-3 off by 0.57 of itself against the reference model's 0.10, at seed 22).
+        grads_all = flat(grads_o).norm().item()
+        numel_all = sum(g.numel() for g in grads_o.values())
+        for k, g in grads_o.items():
+            scale = max(g.norm().item(), grads_all * (g.numel() / numel_all) ** 0.5, 1e-12)
+            add(k, (grads_a[k] - g).norm().item() / scale, (grads_b[k] - g).norm().item() / scale, 0.25)
+        trained = [copy.deepcopy(m) for m in (model, ref, oracle)]
+        losses = [train(m, idx, target, 3, d, device_type) for m, d in zip(trained, (dtype, dtype, None))]
+        for step, (x, y, z) in enumerate(zip(*losses)):
+            add(f"loss after {step} steps", abs(x - z), abs(y - z), 1e-2 * abs(z))
+        for (k, p), q in zip(trained[0].named_parameters(), trained[1].parameters()):
+            assert p.dtype == q.dtype, k
+    for what, (ours, theirs, slack) in errors.items():
+        assert ours <= 3 * theirs + slack, (what, ours, theirs, slack)
 
 
 def spy_source_dtypes(monkeypatch):
