@@ -185,7 +185,7 @@ def logits_and_grads_under(model, idx, target, dtype, device_type="cpu"):
 # reference draw failed now and then, kernels or not: at seed 103 the third loss 0.041 off against the
 # reference model's 0.0019, at seed 481 the nn model on the reference backend's gradients 0.12 off
 # against 0.022, at seed 1591372257 the CPU kernels' 0.068 against 0.014. Summed over four batches:
-# no failure in 1600 runs (seeds 0-199, Full, Full-chunked and both Block schedules, CPU kernels and
+# no failure in 3600 runs (seeds 0-449, Full, Full-chunked and both Block schedules, CPU kernels and
 # reference backend), while reads that round their bf16 sources to fp8 (e4m3) fail at every seed tried
 # (0-5) in the Full models and at five of six with Block per site.
 AUTOCAST_BATCHES = 4
