@@ -30,6 +30,10 @@ Attention: causal ``ak.attention`` on the Triton and CUDA backends against PyTor
 ``scaled_dot_product_attention`` (B = 4, H = 16, T = 2048, Dh = 64 and 128, bf16), checked by
 the same rule (the same-precision baseline is plain PyTorch attention in bf16, FlashAttention's).
 
+Host cost (:func:`bench_host`): where the host's time goes in one depth read on each fused backend (the
+public function, ``read_unchecked``, the raw ops, Triton's own launch of each kernel) beside plain PyTorch
+calls for scale, the autograd engine's cost for as many leaves among them.
+
 Block step: ``ak.block_step`` (``partial + update`` and the next site's merge read with its
 PreNorm, M = 4 x 2048 rows, D = 1024, bf16, prefix from a read over 4 blocks) on the Triton and
 CUDA backends and the eager reference, outputs and every input gradient checked.
@@ -79,6 +83,9 @@ sys.path.insert(0, ROOT)
 
 import attnres_kernels as ak  # noqa: E402
 from attnres_kernels import reference  # noqa: E402
+from attnres_kernels._validation import ReadOptions  # noqa: E402
+from attnres_kernels.ops import _dispatch  # noqa: E402
+from attnres_kernels.ops import depth as depth_ops  # noqa: E402
 
 EPS = 1e-6
 QUANTILES = [0.5, 0.2, 0.8]
@@ -645,6 +652,150 @@ def bench_block_step(env: Env) -> dict:
     return {label: rows}
 
 
+# ---------------------------------------------------------------- host cost of a read
+
+
+@dataclass
+class HostRow:
+    """The host's cost of one kind of call: best and median µs per call over rounds of calls issued
+    without synchronizing (the device runs ahead whenever the host is the bound)."""
+
+    call: str
+    backend: str
+    best_us: float
+    median_us: float
+
+
+HOST_CALLS, HOST_ROUNDS = 50, 5
+
+
+def _host_call_us(fn: Callable, env: Env) -> tuple:
+    """(best, median) µs per call of ``fn`` over HOST_ROUNDS rounds of HOST_CALLS calls, after a warm-up call
+    (a dry run: two rounds of two)."""
+    calls, rounds = (2, 2) if env.dry_run else (HOST_CALLS, HOST_ROUNDS)
+    fn()
+    env.synchronize()
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per_call.append((time.perf_counter() - start) / calls * 1e6)
+        env.synchronize()
+    per_call.sort()
+    return per_call[0], per_call[len(per_call) // 2]
+
+
+class _TimedLaunches:
+    """Wraps the Triton depth-read launcher's kernels (``attnres_kernels.triton.launch``) to time each
+    ``kernel[grid](...)`` call on the host: Triton's own launch path (argument binding, specialization,
+    the driver call), apart from the launcher's Python around it."""
+
+    KERNELS = ("depth_attn_fwd_kernel", "depth_attn_bwd_kernel", "column_sum_kernel")
+
+    def __init__(self):
+        from attnres_kernels.triton import launch
+
+        self.launch, self.times = launch, {name: [] for name in self.KERNELS}
+        self.originals = {name: getattr(launch, name) for name in self.KERNELS}
+
+    def __enter__(self):
+        for name, kernel in self.originals.items():
+            setattr(self.launch, name, self._timed(name, kernel))
+        return self
+
+    def __exit__(self, *exc):
+        for name, kernel in self.originals.items():
+            setattr(self.launch, name, kernel)
+
+    def _timed(self, name: str, kernel):
+        times = self.times[name]
+
+        class Timed:
+            def __getitem__(self, grid):
+                launcher = kernel[grid]
+
+                def run(*args, **kwargs):
+                    start = time.perf_counter()
+                    launcher(*args, **kwargs)
+                    times.append((time.perf_counter() - start) * 1e6)
+
+                return run
+
+        return Timed()
+
+
+def bench_host(env: Env) -> list:
+    """Where the host's time goes in a depth read (N = 9, M = 8192, D = 1024, bf16, one site with its
+    key-norm weight): plain PyTorch calls for scale (one elementwise kernel; N chained adds, forward and
+    forward + ``autograd.grad``: the autograd engine's own cost for N leaves), then on each fused backend
+    the public function, ``read_unchecked`` (as the nn modules call it), the raw forward and backward ops
+    without autograd, and for Triton its own launch of each kernel."""
+    case = ReadCase(3, 1, 4, 16, 1, torch.bfloat16) if env.dry_run else ReadCase(9, 4, 2048, 1024, 1, torch.bfloat16)
+    sources, w, gamma, grad_out = make_inputs(case, env.device)
+    sources = [s.detach().requires_grad_() for s in sources]
+    w, gamma = w.detach().requires_grad_(), gamma.detach().requires_grad_()
+    leaves = [*sources, w, gamma]
+    rows = []
+
+    def add(call: str, backend: str, fn: Callable) -> None:
+        rows.append(HostRow(call, backend, *_host_call_us(fn, env)))
+
+    def no_grad(fn: Callable) -> Callable:
+        def run():
+            with torch.no_grad():
+                return fn()
+
+        return run
+
+    def chain():
+        total = sources[0] * 1.0
+        for s in sources[1:]:
+            total = total + s
+        return total
+
+    a = torch.empty_like(grad_out)
+    add("`empty_like` + `add_` (one elementwise kernel)", "torch", no_grad(lambda: torch.empty_like(a).add_(grad_out)))
+    add(f"{case.n} chained adds, forward", "torch", no_grad(chain))
+    add(
+        f"{case.n} chained adds, forward + `autograd.grad`",
+        "torch",
+        lambda: torch.autograd.grad(chain(), sources, grad_out),
+    )
+    options = ReadOptions(eps=EPS)
+    for backend in ("triton", "cuda", "cpu"):
+        if backend not in ak.available_backends(env.device, case.dim, case.dtype):
+            continue
+        public = lambda b=backend: ak.depth_attention(w, sources, gamma, eps=EPS, backend=b)
+        unchecked = lambda b=backend: depth_ops.read_unchecked(b, sources, w, gamma, options=options)
+        for name, read in (("`depth_attention`", public), ("`read_unchecked`", unchecked)):
+            add(f"{name}, forward", backend, no_grad(read))
+            add(
+                f"{name}, forward + `autograd.grad`", backend, lambda r=read: torch.autograd.grad(r(), leaves, grad_out)
+            )
+        fwd_op = _dispatch.fused_op(backend, "depth_attn_fwd", env.device)
+        bwd_op = _dispatch.fused_op(backend, "depth_attn_bwd", env.device)
+        with torch.no_grad():
+            _, _, logits, rinv = fwd_op(sources, w, gamma, None, None, None, *options)
+        add(
+            "raw forward op (no autograd)",
+            backend,
+            no_grad(lambda f=fwd_op: f(sources, w, gamma, None, None, None, *options)),
+        )
+        raw_bwd = lambda b=bwd_op: b(grad_out, None, None, sources, w, gamma, None, None, None, logits, rinv, *options)
+        add("raw backward op (no autograd)", backend, no_grad(raw_bwd))
+        if backend == "triton":
+            with _TimedLaunches() as launches:
+                for _ in range(2 if env.dry_run else 60):
+                    torch.autograd.grad(public(), leaves, grad_out)
+            env.synchronize()
+            for kernel, times in launches.times.items():
+                times = sorted(times[len(times) // 6 :])  # after the first sixth (warm-up)
+                if times:
+                    rows.append(HostRow(f"Triton's launch of `{kernel}`", backend, times[0], times[len(times) // 2]))
+    return rows
+
+
 # ---------------------------------------------------------------- models
 
 
@@ -954,6 +1105,7 @@ def markdown(
     inkling2_step: tuple | None = None,
     attention_rows: dict | None = None,
     block_step_rows: dict | None = None,
+    host_rows: list = (),
 ) -> str:
     lines = ["# GPU benchmark" + (" (DRY RUN on CPU: numbers are meaningless)" if env_info["dry_run"] else ""), ""]
     lines += [f"- {k}: {v}" for k, v in env_info.items()]
@@ -1019,6 +1171,21 @@ def markdown(
         "reference, eager",
         "eager",
     )
+    if host_rows:
+        lines += [
+            "",
+            "## Host cost of a depth read",
+            "",
+            "µs per call on the host, best and median of rounds of calls issued without synchronizing (the device",
+            "runs ahead whenever the host is the bound): plain PyTorch calls for scale, then each fused backend's",
+            "read (`depth_attention`; `read_unchecked`, as the nn modules call it; the raw ops without autograd) and",
+            "Triton's own `kernel[grid](...)` launch of each kernel, timed around the call. The read: N = 9 bf16",
+            "sources of [4, 2048, 1024], one site with its key-norm weight (a dry run: 3 of [1, 4, 16]).",
+            "",
+            "| call | backend | best µs | median µs |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {r.call} | {r.backend} | {r.best_us:.1f} | {r.median_us:.1f} |" for r in host_rows]
     if cfg is not None and model_rows:
         lines += [
             "",
@@ -1100,7 +1267,7 @@ def _jsonable(obj):
     return obj
 
 
-SECTIONS = ["reads", "attention", "block_step", "models", "inkling2_reads", "inkling2_step"]
+SECTIONS = ["reads", "attention", "block_step", "host", "models", "inkling2_reads", "inkling2_step"]
 
 
 def main(argv=None) -> int:
@@ -1134,7 +1301,7 @@ def main(argv=None) -> int:
     except ImportError:
         tqdm = lambda x, **_: x
     read_rows, copies = {}, {}
-    attention_rows, block_step_rows, model_rows, inkling2_rows = {}, {}, [], []
+    attention_rows, block_step_rows, model_rows, inkling2_rows, host_rows = {}, {}, [], [], []
     cfg = None if args.skip_models else model_config(args.dry_run, args.model_batch)
     inkling2_step = None
     out_dir = (
@@ -1144,7 +1311,16 @@ def main(argv=None) -> int:
     def write_report() -> str:
         """The report of the sections measured so far, written after each one (a run cut short keeps them)."""
         report = markdown(
-            env_info, read_rows, copies, model_rows, cfg, inkling2_rows, inkling2_step, attention_rows, block_step_rows
+            env_info,
+            read_rows,
+            copies,
+            model_rows,
+            cfg,
+            inkling2_rows,
+            inkling2_step,
+            attention_rows,
+            block_step_rows,
+            host_rows,
         )
         if out_dir is None:
             return report
@@ -1154,6 +1330,7 @@ def main(argv=None) -> int:
             "copy_gbps": copies,
             "attention": {case: [asdict(r) for r in rows] for case, rows in attention_rows.items()},
             "block_step": {case: [asdict(r) for r in rows] for case, rows in block_step_rows.items()},
+            "host": [asdict(r) for r in host_rows],
             "models": {"config": asdict(cfg) if cfg else None, "rows": [asdict(r) for r in model_rows]},
             "inkling2_reads": [asdict(r) for r in inkling2_rows],
             "inkling2_step": None
@@ -1176,6 +1353,9 @@ def main(argv=None) -> int:
         write_report()
     if "block_step" in args.sections:
         block_step_rows.update(bench_block_step(env))
+        write_report()
+    if "host" in args.sections:
+        host_rows += bench_host(env)
         write_report()
     if cfg is not None and "models" in args.sections:
         model_rows += bench_models(cfg, env)

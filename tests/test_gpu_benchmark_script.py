@@ -358,3 +358,25 @@ def test_flash_attn_res_limits_are_skips(gpu, monkeypatch):
         gpu._flash_attn_res(gpu.ReadCase(3, 1, 2, 24, 1, torch.bfloat16), env)
     with pytest.raises(gpu.Skip, match="bf16"):
         gpu._flash_attn_res(gpu.ReadCase(3, 1, 2, 16, 1, torch.float32), env)
+
+
+def test_host_section_splits_a_read_and_restores_the_launcher(gpu, tmp_path):
+    """``--sections host``: the plain-PyTorch calls, every available fused backend's read at each layer, and
+    Triton's own launches (timed by wrapping the launcher's kernels, which are put back afterwards)."""
+    from attnres_kernels.triton import launch
+
+    kernels = {name: getattr(launch, name) for name in gpu._TimedLaunches.KERNELS}
+    assert gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "host"]) == 0
+    assert {name: getattr(launch, name) for name in kernels} == kernels
+    rows = json.loads((tmp_path / "gpu.json").read_text())["host"]
+    assert all(0 < r["best_us"] <= r["median_us"] for r in rows), rows
+    calls = {(r["backend"], r["call"]) for r in rows}
+    assert ("torch", "3 chained adds, forward + `autograd.grad`") in calls
+    backends = [b for b in ("triton", "cuda", "cpu") if b in ak.available_backends("cpu", 16, torch.bfloat16)]
+    assert "cpu" in backends and {r["backend"] for r in rows} == {"torch", *backends}
+    for backend in backends:
+        for call in ("`depth_attention`, forward + `autograd.grad`", "raw backward op (no autograd)"):
+            assert (backend, call) in calls
+    launches = {r["call"] for r in rows if r["call"].startswith("Triton's launch")}
+    assert len(launches) == (3 if "triton" in backends else 0)
+    assert "## Host cost of a depth read" in (tmp_path / "gpu.md").read_text()
