@@ -3,7 +3,9 @@
 Depth read: random widths, source counts, leading shapes, dtypes (one or a mix per read),
 layouts (contiguous, strided columns, padded rows, transposed leading dims, views at a
 non-zero storage offset, each source its own), single or multi-query reads with shared or
-per-site weights, the fused output norm and the merge with a prefix of its own dtype.
+per-site weights, the fused output norm, the merge with a prefix of its own dtype, and the
+read's options (DESIGN.md §2.7: the logits' scale, normalised values, an unweighted key norm,
+the key and output norms' epsilons, the output dtype) in every combination the fused kernels run.
 Attention: random batch, heads (grouped-query), lengths, head sizes, causal and key-padding
 masks (fully padded rows included), dtypes and layouts.
 
@@ -18,6 +20,7 @@ interpreter here, one program at a time in numpy, so it gets fewer and smaller c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -48,7 +51,7 @@ def _defines_attention(backend: str) -> bool:
 
 ATTENTION_FUSED = [b for b in attention_backends("cpu") if b != "reference" and _defines_attention(b)]
 # Examples per backend and the largest case sizes it gets.
-DEPTH_BUDGET = {"cpu": 40, "triton": 8}
+DEPTH_BUDGET = {"cpu": 200, "triton": 40}
 DEPTH_LIMITS = {"cpu": dict(dim=100, sources=7, rows=24), "triton": dict(dim=40, sources=4, rows=6)}
 ATTENTION_BUDGET = {"triton": 6}
 ATTENTION_DEFAULT_BUDGET = 25
@@ -117,6 +120,8 @@ class DepthCase:
     per_site_weights: bool
     out_norm: bool
     prefix: tuple | None  # (dtype, layout) of the merge prefix h_a, or None
+    key_norm_weight: bool = True  # False: an unweighted key norm (norm_weight=None)
+    options: dict = dataclasses.field(default_factory=dict)  # scale, normalize_values, eps, out_norm_eps, out_dtype
 
 
 @st.composite
@@ -138,6 +143,16 @@ def depth_cases(draw, backend: str):
     prefix = None
     if merge:
         prefix = (draw(st.sampled_from(DTYPES)), draw(st.sampled_from(["contiguous", "offset"])))
+    # The options: normalised values only without a key-norm weight (the fused kernels have no
+    # weighted normalised values; the reference reads those, test_read_options).
+    normalize_values = draw(st.booleans())
+    options = dict(
+        scale=draw(st.sampled_from([1.0, d**-0.5, 2.5])),
+        normalize_values=normalize_values,
+        eps=draw(st.sampled_from([1e-6, 1e-3])),
+        out_norm_eps=draw(st.sampled_from([None, 1e-2])),
+        out_dtype=draw(st.sampled_from([None, None, torch.float32, torch.bfloat16])),
+    )
     return DepthCase(
         seed=draw(st.integers(0, 2**31 - 1)),
         shape=shape,
@@ -147,6 +162,8 @@ def depth_cases(draw, backend: str):
         per_site_weights=q is not None and draw(st.booleans()),
         out_norm=draw(st.booleans()),
         prefix=prefix,
+        key_norm_weight=not normalize_values and draw(st.booleans()),
+        options=options,
     )
 
 
@@ -159,24 +176,30 @@ def _depth_inputs(case: DepthCase):
     d = case.shape[-1]
     site = (d,) if case.q is None or not case.per_site_weights else (case.q, d)
     query = (randn(*((d,) if case.q is None else (case.q, d))) * 0.5).float()
-    norm_weight = (1 + 0.3 * randn(*site)).float()
+    norm_weight = (1 + 0.3 * randn(*site)).float() if case.key_norm_weight else None
     out_norm_weight = (1 + 0.3 * randn(*site)).float() if case.out_norm else None
     params = [query, norm_weight, out_norm_weight]
     if case.prefix is not None:
         dtype, layout = case.prefix
         q_dims = () if case.q is None else (case.q,)
         h_shape = (*q_dims, *case.shape)
-        # A prefix from a real read over two other sources (so lse_a has a realistic scale).
-        h_a, lse_a = reference.depth_attention(query, [randn(*case.shape) for _ in range(2)], return_lse=True)
+        # A prefix from a real read over two other sources with the case's options (so lse_a has a
+        # realistic scale).
+        prefix_options = {k: v for k, v in case.options.items() if k != "out_dtype"}
+        h_a, lse_a = reference.depth_attention(
+            query, [randn(*case.shape) for _ in range(2)], norm_weight, return_lse=True, **prefix_options
+        )
         base = torch.empty(base_shape(layout, h_shape), dtype=dtype)
         as_layout(base, layout, h_shape).copy_(h_a)
         params += [base, lse_a.float()]
     return bases, params
 
 
-def _depth_read(case: DepthCase, backend: str, bases: list, params: list):
-    """Runs the case's read on ``backend``; returns (sources, inputs, outputs)."""
+def _depth_read(case: DepthCase, backend: str, bases: list, params: list, oracle: bool = False):
+    """Runs the case's read on ``backend``; returns (sources, outputs). ``oracle``: the output in
+    the promoted dtype of its (fp64) inputs, whatever the case's ``out_dtype``."""
     sources = [as_layout(b, lay, case.shape) for b, lay in zip(bases, case.layouts)]
+    options = {**case.options, "out_dtype": None} if oracle else case.options
     query, norm_weight, out_norm_weight = params[:3]
     if case.prefix is None:
         outputs = ak.depth_attention(
@@ -187,6 +210,7 @@ def _depth_read(case: DepthCase, backend: str, bases: list, params: list):
             return_lse=True,
             return_weights=True,
             backend=backend,
+            **options,
         )
     else:
         q_dims = () if case.q is None else (case.q,)
@@ -200,6 +224,7 @@ def _depth_read(case: DepthCase, backend: str, bases: list, params: list):
             out_norm_weight=out_norm_weight,
             return_lse=True,
             backend=backend,
+            **options,
         )
     return sources, outputs
 
@@ -210,7 +235,7 @@ def _run_with_grads(case, backend, bases, params, out_weights, to_dtype=None):
     cast = (lambda t: t.detach().to(to_dtype)) if to_dtype is not None else (lambda t: t.detach().clone())
     bases = [cast(b).requires_grad_() for b in bases]
     params = [cast(p).requires_grad_() if p is not None else None for p in params]
-    sources, outputs = _depth_read(case, backend, bases, params)
+    sources, outputs = _depth_read(case, backend, bases, params, oracle=to_dtype is not None)
     loss = sum((o.double() * w).sum() for o, w in zip(outputs, out_weights))
     leaves = [p for p in params if p is not None]
     grads = torch.autograd.grad(loss, sources + leaves)
