@@ -54,6 +54,8 @@ TORCH_LIBRARY(attnres, m) {
       "out_norm_weight, " ATTNRES_READ_OPTIONS_SCHEMA ") -> Tensor[]");
   // Frees the CPU output buffers the ops keep for reuse (csrc/cpu/output_cache.cpp).
   m.def("empty_cpu_cache() -> ()", &empty_cpu_cache);
+  // [bytes, count] of the free buffers it keeps and the bytes of its buffers in use.
+  m.def("cpu_cache_stats() -> int[]", &cpu_cache_stats);
 }
 
 }  // namespace attnres

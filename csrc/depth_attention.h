@@ -238,6 +238,9 @@ at::Tensor cached_cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 
 // Frees the cached CPU output buffers that no tensor uses (op attnres::empty_cpu_cache).
 void empty_cpu_cache();
+// [bytes, count] of the cached free buffers and the bytes of the cache's buffers in use
+// (op attnres::cpu_cache_stats).
+std::vector<int64_t> cpu_cache_stats();
 
 // at::empty for a large output that is about to be written in full; on the CPU
 // it comes from the cache of output buffers (cached_cpu_empty).

@@ -161,6 +161,39 @@ def test_large_outputs_start_on_a_page_boundary_and_reuse_freed_buffers(cache_mb
     run_check_in_subprocess("test_cpu_op", call, {"ATTNRES_CPU_CACHE_MB": cache_mb})
 
 
+def check_cache_follows_the_shapes_in_use():
+    """The buffer cache (here limited to 12 MiB) keeps the buffers of the shapes a program uses now:
+    freed buffers of a new shape displace those that an earlier shape left, so a second call of the new
+    shape takes all of its outputs (its result and its three source gradients) from the cache."""
+    torch.ops.attnres.empty_cpu_cache()
+    w = torch.randn(1000)
+
+    def read(rows):  # the output and the 3 source gradients, 1 MiB or more each: buffers of the cache
+        sources = [torch.randn(rows, 1000).requires_grad_() for _ in range(3)]
+        out = ak.depth_attention(w, sources, backend="cpu")
+        return [out, *torch.autograd.grad(out, sources, torch.ones_like(out))]
+
+    def buffer_bytes(rows):  # each buffer is a whole number of pages
+        return -(-rows * 1000 * 4 // 4096) * 4096
+
+    first = read(600)
+    assert torch.ops.attnres.cpu_cache_stats() == [0, 0, 4 * buffer_bytes(600)]
+    del first
+    assert torch.ops.attnres.cpu_cache_stats() == [4 * buffer_bytes(600), 4, 0]
+    # 700 rows: no 600-row buffer fits; freed, the four new buffers displace the four old ones (all
+    # eight would take 20.8 MB).
+    del read(700)[:]
+    assert torch.ops.attnres.cpu_cache_stats() == [4 * buffer_bytes(700), 4, 0]
+    again = read(700)
+    assert torch.ops.attnres.cpu_cache_stats() == [0, 0, 4 * buffer_bytes(700)]
+    del again
+
+
+def test_cache_follows_the_shapes_in_use():
+    """check_cache_follows_the_shapes_in_use in a subprocess (the limit is read once per process)."""
+    run_check_in_subprocess("test_cpu_op", "check_cache_follows_the_shapes_in_use()", {"ATTNRES_CPU_CACHE_MB": "12"})
+
+
 @pytest.mark.parametrize("q", [2, 3])
 def test_multi_site_bf16_forward_streams_its_output_rows(q):
     """Several sites over bf16 rows, no output norm, an output of at least 8 MiB (2100 rows x q x 1024

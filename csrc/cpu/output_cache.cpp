@@ -25,7 +25,13 @@
 // reuses those from its heap). Free buffers are kept up to a limit: the
 // environment variable ATTNRES_CPU_CACHE_MB when set (0 keeps none: every
 // buffer is freed when its tensor is, still page-aligned while it lived), else
-// 1/8 of the physical memory. attnres::empty_cpu_cache() frees them.
+// 1/8 of the physical memory. A freed buffer that does not fit under the limit
+// displaces the buffers freed longest ago: the cache follows the shapes the
+// program uses now. (Kept out instead, it left a cache filled by earlier shapes
+// holding them for good while every output of the new ones faulted its pages
+// again: in benchmarks/sweep.py, after the large cases, the fp32 N=33 backward
+// ran at 34-43 % of a copy against 107-133 % in a fresh process.)
+// attnres::empty_cpu_cache() frees them; attnres::cpu_cache_stats() counts them.
 #include <ATen/EmptyTensor.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -36,6 +42,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "../depth_attention.h"
 
@@ -56,6 +63,7 @@ struct Block {
   void* allocation;  // from c10::alloc_cpu: size + kPageBytes bytes
   void* ptr;         // the buffer: the first page boundary in the allocation
   size_t size;
+  uint64_t freed_at = 0;  // when it was last freed (OutputCache::releases_), while it is free
 };
 
 class OutputCache final : public c10::Allocator {
@@ -71,6 +79,7 @@ class OutputCache final : public c10::Allocator {
       if (it != free_.end() && it->first - size <= it->first / 8) {
         block = it->second;
         free_.erase(it);
+        by_age_.erase(block->freed_at);
         cached_ -= block->size;
       }
       in_use_ += block != nullptr ? block->size : size;
@@ -91,9 +100,16 @@ class OutputCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       blocks.swap(free_);
+      by_age_.clear();
       cached_ = 0;
     }
     for (auto& entry : blocks) destroy(entry.second);
+  }
+
+  // Bytes and count of the free buffers kept, bytes of the cache's buffers in use.
+  std::vector<int64_t> stats() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return {static_cast<int64_t>(cached_), static_cast<int64_t>(free_.size()), static_cast<int64_t>(in_use_)};
   }
 
   static OutputCache& instance() {
@@ -107,16 +123,29 @@ class OutputCache final : public c10::Allocator {
 
   void put(Block* block) {
     report(block, -static_cast<int64_t>(block->size));
+    std::vector<Block*> displaced;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       in_use_ -= block->size;
-      if (cached_ + block->size <= limit_) {
+      if (block->size <= limit_) {
+        while (cached_ + block->size > limit_) {  // the buffers freed longest ago make room
+          Block* oldest = by_age_.begin()->second;
+          by_age_.erase(by_age_.begin());
+          auto it = free_.lower_bound(oldest->size);  // the first of its size; it is among them
+          while (it->second != oldest) ++it;
+          free_.erase(it);
+          cached_ -= oldest->size;
+          displaced.push_back(oldest);
+        }
+        block->freed_at = ++releases_;
         free_.emplace(block->size, block);
+        by_age_.emplace(block->freed_at, block);
         cached_ += block->size;
-        return;
+        block = nullptr;
       }
     }
-    destroy(block);
+    for (Block* old : displaced) destroy(old);
+    if (block != nullptr) destroy(block);
   }
 
   static void destroy(Block* block) {
@@ -139,6 +168,8 @@ class OutputCache final : public c10::Allocator {
   const size_t limit_ = limit_from_env();
   std::mutex mutex_;
   std::multimap<size_t, Block*> free_;  // free buffers by size
+  std::map<uint64_t, Block*> by_age_;   // the same by freed_at, the longest free first
+  uint64_t releases_ = 0;               // buffers put into free_ so far
   size_t cached_ = 0;                   // bytes in free_
   size_t in_use_ = 0;                   // bytes of cached-size buffers held by tensors
 };
@@ -151,5 +182,7 @@ at::Tensor cached_cpu_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
 }
 
 void empty_cpu_cache() { OutputCache::instance().empty(); }
+
+std::vector<int64_t> cpu_cache_stats() { return OutputCache::instance().stats(); }
 
 }  // namespace attnres
