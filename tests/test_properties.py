@@ -20,9 +20,8 @@ interpreter here, one program at a time in numpy, so it gets fewer and smaller c
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -121,7 +120,7 @@ class DepthCase:
     out_norm: bool
     prefix: tuple | None  # (dtype, layout) of the merge prefix h_a, or None
     key_norm_weight: bool = True  # False: an unweighted key norm (norm_weight=None)
-    options: dict = dataclasses.field(default_factory=dict)  # scale, normalize_values, eps, out_norm_eps, out_dtype
+    options: dict = field(default_factory=dict)  # scale, normalize_values, eps, out_norm_eps, out_dtype
 
 
 @st.composite
