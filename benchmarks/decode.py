@@ -14,7 +14,8 @@ attention backends to compare (default ``auto``, the C++ kernels on CPU, and
 
 Tokens/s counts the new tokens of all sequences (``B * new``) over the whole
 generation, prefill included. Every (model, B, mode) runs once per round,
-round-robin, so load on the shared machine hits all alike; the table gives the
+round-robin (its attention backends one after the other, every other round in
+reverse order), so load on the shared machine hits all alike; the table gives the
 median over the rounds and, in brackets, the slowest and fastest; with several
 attention backends a second table gives each one's tokens/s over the last one's
 (``sdpa`` by default) round by round, the load average beside both. With 1 thread
@@ -90,11 +91,18 @@ def main(argv=None) -> None:
     models = {(name, att): build(name, args.backend, att) for att in args.attention for name in args.models}
     gen = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(0, CONFIG["vocab_size"], (b, args.prompt), generator=gen) for b in args.batch_sizes}
+    # The attention backends of one (model, B, mode) run next to each other, so that the paired ratios below
+    # compare runs on the same state of the caches and the machine; every other round runs the list backwards.
     runs = {}
-    for case, model in models.items():  # case: (model name, attention backend)
+    for name in args.models:
         for b, prompt in prompts.items():
-            runs[(case, b, "cache")] = lambda m=model, p=prompt: m.generate(p, args.new)
-            runs[(case, b, "no cache")] = lambda m=model, p=prompt: generate_without_cache(m, p, args.new)
+            for mode in ("cache", "no cache"):
+                for att in args.attention:
+                    model = models[(name, att)]
+                    if mode == "cache":
+                        runs[((name, att), b, mode)] = lambda m=model, p=prompt: m.generate(p, args.new)
+                    else:
+                        runs[((name, att), b, mode)] = lambda m=model, p=prompt: generate_without_cache(m, p, args.new)
 
     times = {key: [] for key in runs}
     load_before = os.getloadavg()
@@ -106,7 +114,7 @@ def main(argv=None) -> None:
                 if not torch.equal(cached, uncached):
                     raise AssertionError(f"{case}, B={b}: the cached decode differs from the loop without cache")
         for r in tqdm(rounds, desc="rounds") if tqdm is not None else rounds:
-            for key, fn in runs.items():
+            for key, fn in list(runs.items())[:: 1 if r % 2 == 0 else -1]:
                 start = clock()
                 fn()
                 if r > 0:  # round 0 warms up
