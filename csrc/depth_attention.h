@@ -316,4 +316,36 @@ inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
   return r;
 }
 
+// The tensors depth_attn_bwd takes besides the read's own, checked against the read (shape, dtype and
+// the sources' device) and made contiguous: the output gradient, the forward's saved logits and
+// key-norm scales, and the optional gradients of lse and logits (undefined when absent).
+struct SavedForBackward {
+  at::Tensor grad_out, logits, rinv, grad_lse, grad_logits;
+};
+
+inline SavedForBackward check_saved_for_backward(const CheckedRead& read, const at::Tensor& grad_out,
+                                                 const c10::optional<at::Tensor>& grad_lse,
+                                                 const c10::optional<at::Tensor>& grad_logits, const at::Tensor& logits,
+                                                 const at::Tensor& rinv) {
+  const SourceRows& in = read.in;
+  const std::vector<int64_t>& q_dims = read.site.q_dims;
+  const auto acc = in.acc_dtype;
+  auto check = [&](const at::Tensor& t, const char* name, const std::vector<int64_t>& shape, at::ScalarType type) {
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
+                at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
+    TORCH_CHECK(t.device() == in.rows[0].device(), "depth_attn_bwd: `", name, "` is on another device");
+    return t.contiguous();
+  };
+  std::vector<int64_t> q_n = q_dims;
+  q_n.push_back(static_cast<int64_t>(in.rows.size()));
+  SavedForBackward saved;
+  saved.grad_out = check(grad_out, "grad_out", shape_with(q_dims, in.lead_shape, {in.dim}), in.out_dtype);
+  saved.logits = check(logits, "logits", shape_with(q_n, in.lead_shape), acc);
+  saved.rinv = check(rinv, "rinv", shape_with({q_n.back()}, in.lead_shape), acc);
+  if (grad_lse.has_value()) saved.grad_lse = check(*grad_lse, "grad_lse", shape_with(q_dims, in.lead_shape), acc);
+  if (grad_logits.has_value())
+    saved.grad_logits = check(*grad_logits, "grad_logits", shape_with(q_n, in.lead_shape), acc);
+  return saved;
+}
+
 }  // namespace attnres

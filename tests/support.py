@@ -131,3 +131,30 @@ def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) 
     code = f"import torch, {module}; torch.manual_seed({torch.initial_seed()}); {module}.{call}; print('checked')"
     result = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "checked" in result.stdout, result.stderr
+
+
+def assert_backward_checks_saved_tensors(fwd, bwd) -> None:
+    """The depth read's backward op ``bwd`` (a backend's ``depth_attn_bwd``) accepts the tensors
+    its forward ``fwd`` saved and rejects, before any kernel runs, an output gradient, saved
+    logits or key-norm scales, or an lse / logits gradient of the wrong shape or dtype, naming it."""
+    from attnres_kernels._validation import PAPER_READ
+
+    sources = [torch.randn(3, 5, 8) for _ in range(2)]
+    query = torch.randn(2, 8)  # two sites: out [2, 3, 5, 8], lse [2, 3, 5], logits [2, 2, 3, 5], rinv [2, 3, 5]
+    out, lse, logits, rinv = fwd(sources, query, None, None, None, None, *PAPER_READ)
+    good = [torch.randn_like(out), torch.randn_like(lse), torch.randn_like(logits), sources, query]
+    good += [None, None, None, None, logits, rinv, *PAPER_READ]
+    grads = bwd(*good)
+    assert [tuple(g.shape) for g in grads[0]] == [(3, 5, 8)] * 2 and grads[1].shape == query.shape
+    for index, bad, name in [
+        (0, out[..., :-1], "grad_out"),
+        (0, out.double(), "grad_out"),
+        (1, lse[:1], "grad_lse"),
+        (2, logits.double(), "grad_logits"),
+        (9, logits[:, :1], "logits"),
+        (10, rinv.double(), "rinv"),
+    ]:
+        args = list(good)
+        args[index] = bad
+        with pytest.raises(RuntimeError, match=f"depth_attn_bwd: `{name}` must be"):
+            bwd(*args)

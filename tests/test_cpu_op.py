@@ -6,7 +6,14 @@ import torch
 import attnres_kernels as ak
 from attnres_kernels import reference
 
-from support import assert_close_to_oracle, make_sources, read_with_grads, run_check_in_subprocess, site_params
+from support import (
+    assert_backward_checks_saved_tensors,
+    assert_close_to_oracle,
+    make_sources,
+    read_with_grads,
+    run_check_in_subprocess,
+    site_params,
+)
 
 pytestmark = pytest.mark.skipif("cpu" not in ak.available_backends("cpu"), reason=ak.build_info())
 
@@ -386,3 +393,7 @@ def test_site_parameters_of_any_shape_dtype_and_layout(param_dtype, q, w_shared,
     for k, (a, b, c) in enumerate(zip(fused, same, oracle)):
         assert a.dtype == b.dtype and a.shape == b.shape, k
         assert_close_to_oracle(f"result {k}", a, b, c)
+
+
+def test_backward_checks_the_saved_tensors():
+    assert_backward_checks_saved_tensors(torch.ops.attnres.depth_attn_fwd, torch.ops.attnres.depth_attn_bwd)

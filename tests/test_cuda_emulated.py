@@ -13,6 +13,7 @@ from attnres_kernels._validation import PAPER_READ, ReadOptions
 from attnres_kernels.cuda import emulation
 
 from support import (
+    assert_backward_checks_saved_tensors,
     assert_close_to_oracle,
     attnres_ops_called,
     make_sources,
@@ -300,3 +301,7 @@ def test_empty_leading_dims():
     assert out.shape == (0, 3, 8)
     out.sum().backward()
     assert sources[0].grad.shape == (0, 3, 8)
+
+
+def test_backward_checks_the_saved_tensors():
+    assert_backward_checks_saved_tensors(torch.ops.attnres_emu.depth_attn_fwd, torch.ops.attnres_emu.depth_attn_bwd)

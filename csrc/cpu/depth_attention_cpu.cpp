@@ -1865,23 +1865,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;
   const int64_t n = static_cast<int64_t>(in.rows.size());
   const auto acc = in.acc_dtype;
-  auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
-                at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
-    return t.contiguous();
-  };
-  std::vector<int64_t> qn = site.q_dims;
-  qn.push_back(n);
-  const at::Tensor dy =
-      check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {in.dim}), in.out_dtype);
-  const at::Tensor logits_c = check_saved(logits, "logits", shape_with(qn, in.lead_shape), acc);
-  const at::Tensor rinv_c = check_saved(rinv, "rinv", shape_with({n}, in.lead_shape), acc);
-  const at::Tensor dlse = grad_lse.has_value()
-                              ? check_saved(*grad_lse, "grad_lse", shape_with(site.q_dims, in.lead_shape), acc)
-                              : at::Tensor();
-  const at::Tensor dlogits = grad_logits.has_value()
-                                 ? check_saved(*grad_logits, "grad_logits", shape_with(qn, in.lead_shape), acc)
-                                 : at::Tensor();
+  const SavedForBackward saved = check_saved_for_backward(read, grad_out, grad_lse, grad_logits, logits, rinv);
 
   std::vector<at::Tensor> dsrc;
   dsrc.reserve(n);
@@ -1893,8 +1877,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   at::Tensor d_query, d_norm, d_g;
   auto run = [&](auto acc_zero) {
     using acc_t = decltype(acc_zero);
-    depth_attn_bwd_impl<acc_t>(in, dy, dlse, dlogits, site.u, h_a, lse_a, site.g, logits_c, rinv_c, read.options, dsrc,
-                               du, dh_a, dlse_a, dg);
+    depth_attn_bwd_impl<acc_t>(in, saved.grad_out, saved.grad_lse, saved.grad_logits, site.u, h_a, lse_a, site.g,
+                               saved.logits, saved.rinv, read.options, dsrc, du, dh_a, dlse_a, dg);
     std::tie(d_query, d_norm, d_g) =
         site_param_grads_cpu<acc_t>(du, dg, query, norm_weight, out_norm_weight, read.options.scale);
   };

@@ -160,23 +160,9 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
               "depth attention (cuda): normalised values are implemented without a key-norm weight only");
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto acc = in.acc_dtype;
-  auto check_saved = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, at::ScalarType type) {
-    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape) && t.scalar_type() == type, "depth_attn_bwd: `", name, "` must be ",
-                at::IntArrayRef(shape), " ", type, ", got ", t.sizes(), " ", t.scalar_type());
-    TORCH_CHECK(t.device() == in.rows[0].device(), "depth_attn_bwd: `", name, "` is on another device");
-    return t.contiguous();
-  };
-  std::vector<int64_t> qn = site.q_dims;
-  qn.push_back(N);
-  const at::Tensor dy = check_saved(grad_out, "grad_out", shape_with(site.q_dims, in.lead_shape, {D}), in.out_dtype);
-  const at::Tensor saved_logits = check_saved(logits, "logits", shape_with(qn, in.lead_shape), acc);
-  const at::Tensor saved_rinv = check_saved(rinv, "rinv", shape_with({N}, in.lead_shape), acc);
-  const at::Tensor dlse = grad_lse.has_value()
-                              ? check_saved(*grad_lse, "grad_lse", shape_with(site.q_dims, in.lead_shape), acc)
-                              : at::Tensor();
-  const at::Tensor dlogits = grad_logits.has_value()
-                                 ? check_saved(*grad_logits, "grad_logits", shape_with(qn, in.lead_shape), acc)
-                                 : at::Tensor();
+  const SavedForBackward saved = check_saved_for_backward(read, grad_out, grad_lse, grad_logits, logits, rinv);
+  const at::Tensor &dy = saved.grad_out, &saved_logits = saved.logits, &saved_rinv = saved.rinv;
+  const at::Tensor &dlse = saved.grad_lse, &dlogits = saved.grad_logits;
 
   std::vector<at::Tensor> grad_sources;
   grad_sources.reserve(N);
