@@ -93,16 +93,16 @@ def main(argv=None) -> None:
     prompts = {b: torch.randint(0, CONFIG["vocab_size"], (b, args.prompt), generator=gen) for b in args.batch_sizes}
     # The attention backends of one (model, B, mode) run next to each other, so that the paired ratios below
     # compare runs on the same state of the caches and the machine; every other round runs the list backwards.
+    decoders = {
+        "cache": lambda m, p: m.generate(p, args.new),
+        "no cache": lambda m, p: generate_without_cache(m, p, args.new),
+    }
     runs = {}
     for name in args.models:
         for b, prompt in prompts.items():
-            for mode in ("cache", "no cache"):
+            for mode, decode in decoders.items():
                 for att in args.attention:
-                    model = models[(name, att)]
-                    if mode == "cache":
-                        runs[((name, att), b, mode)] = lambda m=model, p=prompt: m.generate(p, args.new)
-                    else:
-                        runs[((name, att), b, mode)] = lambda m=model, p=prompt: generate_without_cache(m, p, args.new)
+                    runs[((name, att), b, mode)] = lambda m=models[(name, att)], p=prompt, decode=decode: decode(m, p)
 
     times = {key: [] for key in runs}
     load_before = os.getloadavg()
