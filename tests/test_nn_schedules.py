@@ -198,8 +198,11 @@ def test_two_phase_block_calls_a_fused_block_step_with_its_schema(monkeypatch):
     arguments in schema order (a stand-in op computed by the reference checks them)."""
     calls = []
 
-    def fake_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+    def fake_block_step_fwd(
+        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank
+    ):
         assert partial is None or partial.shape == update.shape
+        assert key_rank is None  # full-width keys
         assert query.shape == norm_weight.shape == out_norm_weight.shape == (D,)
         assert prefix_out.shape == update.shape and prefix_lse.shape == update.shape[:-1]
         assert prefix_lse.dtype == torch.float32 and isinstance(eps, float)

@@ -37,12 +37,12 @@ BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reduc
 
 FWD_SCHEMA = (
     "(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, "
-    "Tensor? out_norm_weight, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor? out_norm_weight, float eps, int? key_rank) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
     "(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, Tensor query, "
     "Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, Tensor logit, "
-    "Tensor rinv, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor rinv, float eps, int? key_rank) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -271,7 +271,7 @@ def block_step_fwd(
     prefix_lse,
     out_norm_weight,
     eps: float,
-    key_rank: int | None = None,
+    key_rank: int | None,
 ):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration` (Block step)."""
     dim, lead = update.shape[-1], update.shape[:-1]
@@ -328,7 +328,7 @@ def block_step_bwd(
     logit,
     rinv,
     eps: float,
-    key_rank: int | None = None,
+    key_rank: int | None,
 ):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration` (Block step)."""
     dim = new_partial.shape[-1]
