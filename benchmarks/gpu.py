@@ -687,14 +687,14 @@ def _host_call_us(fn: Callable, env: Env) -> tuple:
 
 
 class _TimedLaunches:
-    """Wraps the Triton depth-read launcher's kernels (``attnres_kernels.triton.launch``) to time each
+    """Wraps the Triton depth-read launcher's kernels (``attnres_kernels.triton.depth_attention_ops``) to time each
     ``kernel[grid](...)`` call on the host: Triton's own launch path (argument binding, specialization,
     the driver call), apart from the launcher's Python around it."""
 
     KERNELS = ("depth_attn_fwd_kernel", "depth_attn_bwd_kernel", "column_sum_kernel")
 
     def __init__(self):
-        from attnres_kernels.triton import launch
+        from attnres_kernels.triton import depth_attention_ops as launch
 
         self.launch, self.times = launch, {name: [] for name in self.KERNELS}
         self.originals = {name: getattr(launch, name) for name in self.KERNELS}

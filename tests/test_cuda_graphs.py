@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from test_nn_training import MODELS, VOCAB, make_trainable_pair
 
 import attnres_kernels as ak
-from attnres_kernels.triton import launch
+from attnres_kernels.triton import depth_attention_ops as launch
 
 pytestmark = pytest.mark.cuda
 

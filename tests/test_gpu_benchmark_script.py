@@ -363,7 +363,7 @@ def test_flash_attn_res_limits_are_skips(gpu, monkeypatch):
 def test_host_section_splits_a_read_and_restores_the_launcher(gpu, tmp_path):
     """``--sections host``: the plain-PyTorch calls, every available fused backend's read at each layer, and
     Triton's own launches (timed by wrapping the launcher's kernels, which are put back afterwards)."""
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     kernels = {name: getattr(launch, name) for name in gpu._TimedLaunches.KERNELS}
     assert gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "host"]) == 0

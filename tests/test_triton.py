@@ -79,7 +79,7 @@ def _run(backend, sources, w, g, g_out, h_a=None, lse_a=None):
 def test_site_groups_and_poisoned_buffers(monkeypatch, merge):
     """Q = 3 sites split into 3 launches (the tile limit shrunk to one site) must
     equal the C++ op, with every output element written."""
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     monkeypatch.setattr(launch, "MULTI_SITE_TILE", launch.MIN_BLOCK_D)
     assert launch.kernel_config(100, 3, torch.float64).block_q == 1
@@ -101,7 +101,7 @@ def test_mixed_dtypes_out_of_slot_order_with_site_groups(monkeypatch):
     fp64 slot), one of them unaligned, Q = 3 sites in 3 launches (so later groups add to the
     source gradients in each source's dtype), a bf16 merge prefix: every output and gradient
     written, in its own dtype, equal to the reference computed in fp64."""
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     monkeypatch.setattr(launch, "MULTI_SITE_TILE", launch.MIN_BLOCK_D)
     dtypes = [torch.bfloat16, torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -126,7 +126,7 @@ def test_mixed_dtypes_out_of_slot_order_with_site_groups(monkeypatch):
 
 
 def test_slot_layout():
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     f64, f32, f16, bf16 = launch.SLOT_DTYPES
     mk = lambda *dts: [torch.empty(0, dtype=dt) for dt in dts]
@@ -139,7 +139,7 @@ def test_slot_layout():
 def test_row_layouts_read_rows_in_place():
     """A contiguous source is its own rows, rows of a view keep their stride, and only a source
     whose columns are not adjacent is copied; each row layout addresses the source's elements."""
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     wide = torch.randn(2, 3, 16)
     sources = [torch.randn(2, 3, 8), wide[..., :8], wide[..., ::2]]
@@ -153,7 +153,7 @@ def test_row_layouts_read_rows_in_place():
 
 
 def test_launch_tables_are_reused_by_content():
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     cpu = torch.device("cpu")
     first = launch._int64_tables(([0, 5, 9], [8, 8, 8]), cpu)
@@ -175,7 +175,7 @@ def test_launch_helpers_match_triton():
 
 def test_triton_kernels_are_launched(monkeypatch):
     """Counts launches of the real kernels: a fallback could not produce them."""
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     launches = {}
 
@@ -196,7 +196,7 @@ def test_triton_kernels_are_launched(monkeypatch):
 
 
 def test_every_dispatcher_config_respects_the_register_budget():
-    from attnres_kernels.triton import launch
+    from attnres_kernels.triton import depth_attention_ops as launch
 
     for dtype, words in ((torch.bfloat16, 1), (torch.float32, 1), (torch.float64, 2)):
         configs = launch.all_kernel_configs(dtype)
@@ -290,7 +290,7 @@ def test_gpu_compile_fullgraph():
 def test_gpu_one_compiled_kernel_serves_any_count_and_mix():
     """Reads with 1, 3 and 9 sources in different dtype mixes (fp32 output each time) run the
     forward and backward kernels compiled once."""
-    from attnres_kernels.triton import kernels
+    from attnres_kernels.triton import depth_attention_kernels as kernels
 
     w, g, _ = (p.cuda() for p in site_params(None, 256))
     mixes = [

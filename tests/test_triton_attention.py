@@ -51,7 +51,7 @@ def poisoned_allocations(monkeypatch):
 def tiles(request, monkeypatch):
     """The dispatcher's tiles, or 16/32-row tiles (several tiles per head even at T = 17)."""
     if request.param == "small":
-        from attnres_kernels.triton import attention_launch as launch
+        from attnres_kernels.triton import attention_ops as launch
 
         dispatcher = launch.kernel_config
 
@@ -203,7 +203,7 @@ def test_opcheck():
 def test_triton_kernels_are_launched(monkeypatch):
     """The Triton ops run (profiler) and each kernel launches once per call: a fallback
     to the reference could not produce these counts."""
-    from attnres_kernels.triton import attention_launch as launch
+    from attnres_kernels.triton import attention_ops as launch
 
     launches = {}
 
@@ -228,7 +228,7 @@ def test_triton_kernels_are_launched(monkeypatch):
 
 def test_dispatcher_covers_every_head_size():
     """Every head size maps to one of the configurations the AOT check compiles."""
-    from attnres_kernels.triton import attention_launch as launch
+    from attnres_kernels.triton import attention_ops as launch
 
     for dtype in DTYPES:
         configs = launch.all_kernel_configs(dtype)

@@ -1,4 +1,4 @@
-"""Launchers of the Triton attention kernels (:mod:`.attention`): tiles, grids, buffers.
+"""Launchers of the Triton attention kernels (:mod:`.attention_kernels`): tiles, grids, buffers.
 
 The op schema is the one of :mod:`attnres_kernels.ops._registration` (attention).
 Tile sizes and warp counts come from one dispatcher, :func:`kernel_config`; every
@@ -16,8 +16,8 @@ from triton.runtime.jit import MockTensor
 
 from .._validation import MAX_HEAD_DIM, accumulation_dtype
 from . import INTERPRETING, cdiv, next_power_of_2
-from .attention import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
-from .launch import AotLaunch
+from .attention_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
+from .depth_attention_ops import AotLaunch
 
 MIN_BLOCK_D = 32  # tl.dot needs K >= 16; Dh <= 16 pads to 32 (one configuration fewer to compile)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (heads) and z (batch)

@@ -19,7 +19,7 @@ from triton.runtime.jit import MockTensor
 
 from .._validation import ReadOptions, accumulation_dtype, promoted_dtype
 from . import cdiv, max_dim, next_power_of_2
-from .kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
+from .depth_attention_kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
 
 MAX_BLOCK_Q = 8
 MULTI_SITE_TILE = 4096  # max [BLOCK_Q, BLOCK_D] elements when BLOCK_Q > 1 (one site may use BLOCK_D = MAX_DIM)

@@ -6,7 +6,7 @@ Layout shared by all kernels:
   separate ``[M, D]`` row-major tensors whose dtypes may differ (under autocast
   the fp32 embedding is read with bf16/fp16 sublayer outputs, DESIGN.md §2.5).
   The launcher orders them by dtype into *slots* (fp64, fp32, fp16, bf16: the
-  order of :data:`attnres_kernels.triton.launch.SLOT_DTYPES`) and passes, per
+  order of :data:`attnres_kernels.triton.depth_attention_ops.SLOT_DTYPES`) and passes, per
   slot, a base pointer of that dtype in the tuple ``src_ptrs`` (the slot's first
   source, or an empty tensor when no source has that dtype; the fp64 slot is
   ``None``, compiled out, unless ``ACC`` is fp64) and the slot boundaries as the

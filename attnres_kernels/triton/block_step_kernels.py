@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.runtime.jit import MockTensor
 
 from . import cdiv, max_dim, next_power_of_2
-from .launch import AotLaunch, _as_dtype, column_sum
+from .depth_attention_ops import AotLaunch, _as_dtype, column_sum
 
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
 BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reductions
