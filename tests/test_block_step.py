@@ -432,7 +432,7 @@ def test_triton_writes_every_element(out_norm):
 
 @pytest.mark.skipif("triton" not in FUSED, reason="needs the Triton backend")
 def test_triton_configs_respect_the_register_budget():
-    from attnres_kernels.triton import block_step_kernels as triton_step
+    from attnres_kernels.triton import block_step_ops as triton_step
 
     for acc in (torch.float32, torch.float64):
         words = 2 if acc == torch.float64 else 1

@@ -44,7 +44,7 @@ from triton.runtime.jit import create_function_from_signature
 AOT_FAMILIES = (
     "attnres_kernels.triton.depth_attention_ops",
     "attnres_kernels.triton.attention_ops",
-    "attnres_kernels.triton.block_step_kernels",
+    "attnres_kernels.triton.block_step_ops",
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import READ_OPTIONS_SCHEMA
-from . import attention_ops, block_step_kernels, depth_attention_ops
+from . import attention_ops, block_step_ops, depth_attention_ops
 
 FWD_SCHEMA = (
     "(Tensor[] sources, Tensor query, Tensor? norm_weight, Tensor? prefix_out, Tensor? prefix_lse, "
@@ -38,12 +38,12 @@ _lib.define("depth_attn_fwd" + FWD_SCHEMA)
 _lib.define("depth_attn_bwd" + BWD_SCHEMA)
 _lib.define("attn_fwd" + ATTN_FWD_SCHEMA)
 _lib.define("attn_bwd" + ATTN_BWD_SCHEMA)
-_lib.define("block_step_fwd" + block_step_kernels.FWD_SCHEMA)
-_lib.define("block_step_bwd" + block_step_kernels.BWD_SCHEMA)
+_lib.define("block_step_fwd" + block_step_ops.FWD_SCHEMA)
+_lib.define("block_step_bwd" + block_step_ops.BWD_SCHEMA)
 for _device in ("CPU", "CUDA"):
     _lib.impl("depth_attn_fwd", depth_attention_ops.depth_attn_fwd, _device)
     _lib.impl("depth_attn_bwd", depth_attention_ops.depth_attn_bwd, _device)
     _lib.impl("attn_fwd", attention_ops.attn_fwd, _device)
     _lib.impl("attn_bwd", attention_ops.attn_bwd, _device)
-    _lib.impl("block_step_fwd", block_step_kernels.block_step_fwd, _device)
-    _lib.impl("block_step_bwd", block_step_kernels.block_step_bwd, _device)
+    _lib.impl("block_step_fwd", block_step_ops.block_step_fwd, _device)
+    _lib.impl("block_step_bwd", block_step_ops.block_step_bwd, _device)
