@@ -85,7 +85,7 @@ import attnres_kernels as ak  # noqa: E402
 from attnres_kernels import reference  # noqa: E402
 from attnres_kernels._validation import ReadOptions  # noqa: E402
 from attnres_kernels.ops import _dispatch  # noqa: E402
-from attnres_kernels.ops import depth as depth_ops  # noqa: E402
+from attnres_kernels.ops.depth_attention import read_unchecked  # noqa: E402
 
 EPS = 1e-6
 QUANTILES = [0.5, 0.2, 0.8]
@@ -767,7 +767,7 @@ def bench_host(env: Env) -> list:
         if backend not in ak.available_backends(env.device, case.dim, case.dtype):
             continue
         public = lambda b=backend: ak.depth_attention(w, sources, gamma, eps=EPS, backend=b)
-        unchecked = lambda b=backend: depth_ops.read_unchecked(b, sources, w, gamma, options=options)
+        unchecked = lambda b=backend: read_unchecked(b, sources, w, gamma, options=options)
         for name, read in (("`depth_attention`", public), ("`read_unchecked`", unchecked)):
             add(f"{name}, forward", backend, no_grad(read))
             add(
