@@ -116,13 +116,13 @@ def spawn_ranks(worker, world: int, args: tuple, timeout_s: float) -> None:
 
 
 def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) -> None:
-    """Runs ``module.call`` (a check function of a test module, which raises on failure) in a fresh
-    Python process whose environment is this one's with ``env`` applied (None unsets a variable):
-    for settings the native ops read once per process, seeded with this test's seed (a fresh
-    process's torch seed is random, so a failure could not be replayed). Fails the test unless
-    the check passed."""
-    tests = Path(__file__).resolve().parent
-    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    """Runs ``module.call`` (a check function of a test module, named as imported: its ``__name__``,
+    which raises on failure) in a fresh Python process whose environment is this one's with ``env``
+    applied (None unsets a variable): for settings the native ops read once per process, seeded with
+    this test's seed (a fresh process's torch seed is random, so a failure could not be replayed).
+    Fails the test unless the check passed."""
+    root = Path(__file__).resolve().parents[1]
+    child_env = {**os.environ, "PYTHONPATH": str(root)}
     for name, value in env.items():
         if value is None:
             child_env.pop(name, None)
