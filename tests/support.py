@@ -56,6 +56,19 @@ def site_params(q, d, dtype=torch.float32):
     )
 
 
+def model_variants(chunk_size: int = 3) -> dict:
+    """The nn models as the tests build them, every schedule of every model: name -> (class name in
+    ``attnres_kernels.nn`` and ``attnres_kernels.reference``, the nn constructor's keyword arguments).
+    ``chunk_size``: the sites per multi-query read of the chunked Full model."""
+    return {
+        "Standard": ("StandardTransformer", {}),
+        "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
+        "Full-chunked": ("FullAttnResTransformer", {"chunk_size": chunk_size}),
+        "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
+        "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
+    }
+
+
 # A fused kernel rounds in a different order than PyTorch: its max error is
 # typically 0.3x-2.5x that of the same-precision reference.
 ERROR_FACTOR = 3.0

@@ -28,13 +28,7 @@ KERNELS = ("attn_fwd", "attn_bwd_rows", "attn_bwd_dkdv", "attn_bwd_dq")
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    reason = emulation.load()
-    assert reason is None, reason
-    emulation.launch_log()  # drop the launches of earlier tests
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def assert_attention_kernels_ran(dtype):

@@ -29,13 +29,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 LAYOUTS = ("contiguous", "strided", "transposed")
 
 
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    reason = emulation.load()
-    assert reason is None, reason
-    emulation.launch_log()  # drop the launches of earlier tests
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def kernels_run():

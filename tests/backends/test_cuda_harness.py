@@ -17,12 +17,7 @@ from tests.ops.test_mixed_dtypes import MIXES
 from tests.ops.test_mixed_dtypes import test_gradcheck_fp64_with_fp32_sources as mixed_gradcheck
 from tests.ops.test_mixed_dtypes import test_mixed_sources_match_the_fp64_oracle as mixed_case
 
-
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    assert emulation.load() is None
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def _special_values(dtype):

@@ -21,12 +21,7 @@ from tests.support import site_params
 ROW_REF = 32  # bytes of one source-table entry
 
 
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    assert emulation.load() is None
-    emulation.launch_log()
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def nbytes(t):

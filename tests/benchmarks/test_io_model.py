@@ -6,14 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_kernels.cuda import emulation
-
-
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    assert emulation.load() is None
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def _load_script():

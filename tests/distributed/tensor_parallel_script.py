@@ -25,18 +25,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import attnres_kernels as ak
 from attnres_kernels.ops import _dispatch
 from attnres_kernels.train import exit_process
+from tests.support import model_variants
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
 BATCH, SEQ, STEPS, LR = 4, 7, 2, 0.5  # SEQ = 7: uneven sequence shards (4 + 3) on 2 ranks
 TIMEOUT = timedelta(seconds=60)  # every collective fails after this instead of hanging
 
-CASES = {
-    "Standard": ("StandardTransformer", {}),
-    "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
-    "Full-chunked": ("FullAttnResTransformer", {"chunk_size": 4}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+CASES = model_variants(chunk_size=4)
 
 
 def make_model(case: str):

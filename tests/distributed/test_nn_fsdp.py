@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import attnres_kernels as ak
+from tests.support import model_variants
 
 fsdp = pytest.importorskip("torch.distributed.fsdp")
 if not dist.is_available() or not dist.is_gloo_available():
@@ -26,12 +27,7 @@ def mesh():
     dist.destroy_process_group()
 
 
-CASES = {
-    "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
-    "Full-chunked": ("FullAttnResTransformer", {"chunk_size": 4}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+CASES = {name: case for name, case in model_variants(chunk_size=4).items() if name != "Standard"}
 MULTI_QUERY = {"Full-chunked", "Block-two-phase"}
 
 

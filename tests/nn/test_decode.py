@@ -7,17 +7,11 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels.nn import layers as nn_layers
-from tests.support import attnres_ops_called
+from tests.support import attnres_ops_called, model_variants
 
 VOCAB, D, HEADS, LAYERS = 29, 16, 2, 3
 
-VARIANTS = {
-    "Standard": ("StandardTransformer", {}),
-    "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
-    "Full-chunked": ("FullAttnResTransformer", {"chunk_size": 3}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+VARIANTS = model_variants()
 
 
 def make(variant, backend, attention_backend="auto", n_layers=LAYERS):

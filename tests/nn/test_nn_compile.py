@@ -13,16 +13,11 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import attnres_kernels as ak
+from tests.support import model_variants
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 3
 
-MODELS = {
-    "Standard": ("StandardTransformer", {}),
-    "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
-    "Full-chunked": ("FullAttnResTransformer", {"chunk_size": 3}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+MODELS = model_variants()
 
 
 @pytest.fixture(autouse=True)

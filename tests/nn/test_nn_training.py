@@ -13,17 +13,11 @@ import attnres_kernels as ak
 from attnres_kernels import reference
 from attnres_kernels.nn import layers as nn_layers
 from attnres_kernels.ops import _native
+from tests.support import model_variants
 
 VOCAB, D, HEADS = 29, 16, 2
 
-# (reference class name, nn constructor kwargs): every schedule of every model
-MODELS = {
-    "Standard": ("StandardTransformer", {}),
-    "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
-    "Full-chunked": ("FullAttnResTransformer", {"chunk_size": 3}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+MODELS = model_variants()
 
 
 def ref_kwargs(kwargs):
