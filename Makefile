@@ -66,7 +66,7 @@ sweep: $(VENV)/.dev $(VENV)/.built
 # On a CUDA machine: the cuda-marked tests and benchmark cases, then benchmarks/results/gpu.md + gpu.json.
 gpu-bench: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest -m cuda --benchmark $(ARGS)
-	$(PY) benchmarks/gpu.py
+	$(PY) -m benchmarks.gpu
 
 cmake: $(VENV)/.runtime
 	cmake -S . -B build -DPython3_EXECUTABLE=$(abspath $(PY))

@@ -1,13 +1,11 @@
-"""``benchmarks/gpu.py`` without a GPU: its ``--dry-run`` mode (the same code paths on tiny CPU
+"""``python -m benchmarks.gpu`` without a GPU: its ``--dry-run`` mode (the same code paths on tiny CPU
 tensors, Triton under the interpreter) and its adapters to the peers' APIs, checked against
 stand-ins that implement each peer's documented semantics."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import os
 import sys
 import time
 import types
@@ -18,20 +16,7 @@ import torch.nn.functional as F
 
 import attnres_kernels as ak
 from attnres_kernels import reference
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(scope="module")
-def gpu():
-    spec = importlib.util.spec_from_file_location("gpu_benchmark", os.path.join(ROOT, "benchmarks", "gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script is loaded
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        del sys.modules[spec.name]
+from benchmarks import gpu
 
 
 def _assert_host_time_only(split):
@@ -56,7 +41,7 @@ def _assert_op_rows(rows, impls, ran, accuracy_names):
     assert cuda["fwd_ms"] is None and cuda["fwd_split"] is None
 
 
-def test_dry_run_writes_the_report(gpu, tmp_path):
+def test_dry_run_writes_the_report(tmp_path):
     assert gpu.main(["--dry-run", "--out", str(tmp_path)]) == 0
     report = (tmp_path / "gpu.md").read_text()
     result = json.loads((tmp_path / "gpu.json").read_text())
@@ -65,7 +50,7 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
     assert len(cases) == 2
     for label, rows in cases.items():
         by_name = {r["impl"]: r for r in rows}
-        assert set(by_name) == {impl.name for impl in gpu.IMPLS}
+        assert set(by_name) == {impl.name for impl in gpu.reads.IMPLS}
         for name in ("triton (ours)", "reference, eager", "reference, torch.compile"):
             row = by_name[name]
             assert row["status"] == "ok", (label, name, row["status"])
@@ -77,17 +62,17 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
             assert f"| {name} | {row['fwd_split']['host_us']:.0f} | – |" in report  # its host/device split
         # Absent backends and packages are skipped with a reason, not errors, and have no split.
         assert by_name["cuda (ours)"]["status"].startswith("skipped: ")
-        for impl in gpu.IMPLS:
+        for impl in gpu.reads.IMPLS:
             if impl.kind == "peer":
                 assert by_name[impl.name]["status"].startswith("skipped: ")
                 assert by_name[impl.name]["fwd_split"] is None
         assert f"### {label}" in report
-    assert report.count(f"| implementation | {gpu.SPLIT_COLUMNS} |") == len(cases)
+    assert report.count(f"| implementation | {gpu.report.SPLIT_COLUMNS} |") == len(cases)
     assert result["copy_gbps"] and all(v > 0 for v in result["copy_gbps"].values())
     attention = result["attention"]
     assert list(attention) == ["B=1 H=2 T=8 Dh=16 causal bfloat16"]
     for label, rows in attention.items():
-        _assert_op_rows(rows, gpu.ATTENTION_IMPLS, ("triton (ours)", "torch SDPA"), {"out", "d_q", "d_k", "d_v"})
+        _assert_op_rows(rows, gpu.ops.ATTENTION_IMPLS, ("triton (ours)", "torch SDPA"), {"out", "d_q", "d_k", "d_v"})
         assert f"### {label}" in report
     assert "## Attention" in report and "| fwd ×SDPA |" in report
     block_step = result["block_step"]
@@ -97,7 +82,7 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
         for name in ("partial", "update", "query", "prefix_out", "prefix_lse", "norm_weight", "out_norm_weight")
     }
     for label, rows in block_step.items():
-        _assert_op_rows(rows, gpu.BLOCK_STEP_IMPLS, ("triton (ours)", "reference, eager"), step_names)
+        _assert_op_rows(rows, gpu.ops.BLOCK_STEP_IMPLS, ("triton (ours)", "reference, eager"), step_names)
         assert f"### {label}" in report
     assert "## Block step" in report and "| fwd ×eager |" in report
     models = result["models"]["rows"]
@@ -137,14 +122,14 @@ def test_dry_run_writes_the_report(gpu, tmp_path):
     assert "| first loss | device ms/step | bound by |" in report
 
 
-def test_sections_and_the_report_after_each(gpu, tmp_path, monkeypatch):
+def test_sections_and_the_report_after_each(tmp_path, monkeypatch):
     """``--sections`` measures only the sections named, and the report is on disk after each one: a run
     cut short (here, the Block step interrupted) keeps what it measured."""
 
     def interrupted(env):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gpu, "bench_block_step", interrupted)
+    monkeypatch.setattr(gpu.cli, "bench_block_step", interrupted)
     with pytest.raises(KeyboardInterrupt):
         gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "attention", "block_step"])
     report = (tmp_path / "gpu.md").read_text()
@@ -156,56 +141,58 @@ def test_sections_and_the_report_after_each(gpu, tmp_path, monkeypatch):
     assert result["inkling2_reads"] == [] and result["inkling2_step"] is None
 
 
-def test_without_a_gpu_the_real_run_refuses(gpu, capsys):
+def test_without_a_gpu_the_real_run_refuses(capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert gpu.main(["--skip-models"]) == 2
     assert "--dry-run" in capsys.readouterr().err
 
 
-def test_failures_are_reported_per_implementation(gpu):
+def test_failures_are_reported_per_implementation():
     """A skip is listed with its reason, an exception as an error; both leave the others running."""
 
     def skipping(case, env):
-        raise gpu.Skip("not here")
+        raise gpu.environment.Skip("not here")
 
     def broken(case, env):
         return lambda sources, w, gamma: torch.linalg.inv(torch.zeros(2, 2))
 
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
-    case = gpu.ReadCase(2, 1, 2, 8, 1, torch.float32)
-    impls = [gpu.Impl("a", "peer", skipping), gpu.Impl("b", "peer", broken), gpu.IMPLS[2]]
-    rows, copy_gbps = gpu.bench_case(case, env, impls)
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    case = gpu.reads.ReadCase(2, 1, 2, 8, 1, torch.float32)
+    impls = [gpu.reads.Impl("a", "peer", skipping), gpu.reads.Impl("b", "peer", broken), gpu.reads.IMPLS[2]]
+    rows, copy_gbps = gpu.reads.bench_case(case, env, impls)
     assert [r.status.split(":")[0] for r in rows] == ["skipped", "error", "ok"]
     assert rows[0].status == "skipped: not here" and "LinAlgError" in rows[1].status
     assert copy_gbps > 0
 
 
-def test_split_times_the_host_and_names_the_bound(gpu):
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+def test_split_times_the_host_and_names_the_bound():
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
     calls = []
     split = env.split(lambda: calls.append(time.sleep(0.002)))
     assert len(calls) == 1  # a dry run times one call, without a warm-up
     assert split.host_us >= 2000 and split.device_ms is None and split.bound_by == "–"
-    assert gpu.Split(host_us=500.0, device_ms=0.069).bound_by == "host"
-    assert gpu.Split(host_us=50.0, device_ms=0.069).bound_by == "device"
+    assert gpu.environment.Split(host_us=500.0, device_ms=0.069).bound_by == "host"
+    assert gpu.environment.Split(host_us=50.0, device_ms=0.069).bound_by == "device"
 
 
-def test_report_shows_each_split_and_what_bounds_it(gpu):
+def test_report_shows_each_split_and_what_bounds_it():
     """The GPU numbers of the first H100 session, as the report prints them."""
     label = "N=9 Q=1 M=8192 D=1024 bfloat16"
-    triton = gpu.Row(label, "triton (ours)", "ours", "ok", fwd_split=gpu.Split(360.0, 0.069))
-    triton.fwd_bwd_split = gpu.Split(2400.0, 0.4)
-    cuda = gpu.Row(label, "cuda (ours)", "ours", "ok", fwd_split=gpu.Split(90.0, 0.07))
-    cuda.fwd_bwd_split = gpu.Split(300.0, 0.41)
-    skipped = gpu.Row(label, "fla fused_attnres", "peer", "skipped: fla-core is not installed")
-    step = gpu.ModelRow("Full", "triton", "ok", step_ms=(70.0, 69.0, 71.0), step_split=gpu.Split(70000.0, 31.0))
-    report = gpu.markdown(
+    triton = gpu.reads.Row(label, "triton (ours)", "ours", "ok", fwd_split=gpu.environment.Split(360.0, 0.069))
+    triton.fwd_bwd_split = gpu.environment.Split(2400.0, 0.4)
+    cuda = gpu.reads.Row(label, "cuda (ours)", "ours", "ok", fwd_split=gpu.environment.Split(90.0, 0.07))
+    cuda.fwd_bwd_split = gpu.environment.Split(300.0, 0.41)
+    skipped = gpu.reads.Row(label, "fla fused_attnres", "peer", "skipped: fla-core is not installed")
+    step = gpu.models.ModelRow(
+        "Full", "triton", "ok", step_ms=(70.0, 69.0, 71.0), step_split=gpu.environment.Split(70000.0, 31.0)
+    )
+    report = gpu.report.markdown(
         {"dry_run": False},
         {label: [triton, cuda, skipped]},
         {label: 1.0},
         [step],
-        gpu.model_config(True, 1),
+        gpu.models.model_config(True, 1),
         attention_rows={"Dh=64": [triton]},
         block_step_rows={"M=8192": [cuda]},
     )
@@ -218,7 +205,7 @@ def test_report_shows_each_split_and_what_bounds_it(gpu):
     assert "| 31.000 | host |" in report
 
 
-def test_attention_and_block_step_report_each_failure(gpu, monkeypatch):
+def test_attention_and_block_step_report_each_failure(monkeypatch):
     """A backend that is not available is skipped with its reason, a wrong result is a FAIL (still
     timed), an exception an error; the other rows still run."""
 
@@ -231,30 +218,32 @@ def test_attention_and_block_step_report_each_failure(gpu, monkeypatch):
     def without_out_norm(partial, update, query, prefix_out, prefix_lse, norm_weight, out_norm_weight):
         return ak.block_step(partial, update, query, prefix_out, prefix_lse, norm_weight, backend="reference")
 
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
     wrong = {
         "ATTENTION_IMPLS": lambda q, k, v: F.scaled_dot_product_attention(q, k, v),  # not causal
         "BLOCK_STEP_IMPLS": without_out_norm,
     }
-    for impls, bench in (("ATTENTION_IMPLS", gpu.bench_attention), ("BLOCK_STEP_IMPLS", gpu.bench_block_step)):
-        right = getattr(gpu, impls)[-1]  # SDPA, the eager Block step
-        tried = [gpu.OpImpl(name, "ours", fn) for name, fn in (("a", unavailable), ("b", wrong[impls]), ("c", broken))]
-        monkeypatch.setattr(gpu, impls, [*tried, right])
+    for impls, bench in (("ATTENTION_IMPLS", gpu.ops.bench_attention), ("BLOCK_STEP_IMPLS", gpu.ops.bench_block_step)):
+        right = getattr(gpu.ops, impls)[-1]  # SDPA, the eager Block step
+        tried = [
+            gpu.ops.OpImpl(name, "ours", fn) for name, fn in (("a", unavailable), ("b", wrong[impls]), ("c", broken))
+        ]
+        monkeypatch.setattr(gpu.ops, impls, [*tried, right])
         (rows,) = bench(env).values()
         assert [r.status.split(":")[0] for r in rows] == ["skipped", "FAIL", "error", "ok"], impls
         assert rows[0].status == "skipped: not built here" and "LinAlgError" in rows[2].status
         assert rows[1].fwd_ms is not None and rows[1].fwd_bwd_split is not None
 
 
-def test_accuracy_check_flags_a_wrong_read(gpu):
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
-    case = gpu.ReadCase(3, 2, 2, 8, 1, torch.bfloat16)
-    inputs = gpu.make_inputs(case, env.device)
-    oracle = gpu.run_with_grads(gpu._reference(case, env), *inputs, dtype=torch.float32)
-    same = gpu.run_with_grads(gpu._reference(case, env), *inputs)
-    right = gpu.check_accuracy(gpu._reference(case, env), case, inputs, oracle, same)
-    no_norm = lambda sources, w, gamma: reference.depth_attention(w, sources, None, eps=gpu.EPS)
-    wrong = gpu.check_accuracy(no_norm, case, inputs, oracle, same)
+def test_accuracy_check_flags_a_wrong_read():
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    case = gpu.reads.ReadCase(3, 2, 2, 8, 1, torch.bfloat16)
+    inputs = gpu.reads.make_inputs(case, env.device)
+    oracle = gpu.reads.run_with_grads(gpu.reads._reference(case, env), *inputs, dtype=torch.float32)
+    same = gpu.reads.run_with_grads(gpu.reads._reference(case, env), *inputs)
+    right = gpu.reads.check_accuracy(gpu.reads._reference(case, env), case, inputs, oracle, same)
+    no_norm = lambda sources, w, gamma: reference.depth_attention(w, sources, None, eps=gpu.environment.EPS)
+    wrong = gpu.reads.check_accuracy(no_norm, case, inputs, oracle, same)
     assert right.ok and not wrong.ok
 
 
@@ -323,7 +312,7 @@ FAKES = {
 
 @pytest.mark.parametrize("q", [1, 3])
 @pytest.mark.parametrize("peer", sorted(FAKES))
-def test_peer_adapters_map_our_arguments(gpu, monkeypatch, peer, q):
+def test_peer_adapters_map_our_arguments(monkeypatch, peer, q):
     """Each adapter, run on a stand-in with the peer's signature and documented math, equals our
     reference read with the same (sources, w, γ), forward and gradients: the γ folding, the
     stacking and the per-site calls are right."""
@@ -334,38 +323,38 @@ def test_peer_adapters_map_our_arguments(gpu, monkeypatch, peer, q):
             setattr(module, attr, obj)
             obj = module
         monkeypatch.setitem(sys.modules, name, obj)
-    monkeypatch.setattr(gpu, "_needs_cuda", lambda env, package: None)
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
-    case = gpu.ReadCase(3, 2, 3, 16, q, torch.bfloat16)
-    impl = next(i for i in gpu.IMPLS if i.name == peer)
+    monkeypatch.setattr(gpu.reads, "_needs_cuda", lambda env, package: None)
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    case = gpu.reads.ReadCase(3, 2, 3, 16, q, torch.bfloat16)
+    impl = next(i for i in gpu.reads.IMPLS if i.name == peer)
     read = impl.make(case, env)
-    sources, w, gamma, grad_out = gpu.make_inputs(case, env.device)
-    got = gpu.run_with_grads(read, sources, w, gamma, grad_out, dtype=torch.float32)
-    want = gpu.run_with_grads(gpu._reference(case, env), sources, w, gamma, grad_out, dtype=torch.float32)
+    sources, w, gamma, grad_out = gpu.reads.make_inputs(case, env.device)
+    got = gpu.reads.run_with_grads(read, sources, w, gamma, grad_out, dtype=torch.float32)
+    want = gpu.reads.run_with_grads(gpu.reads._reference(case, env), sources, w, gamma, grad_out, dtype=torch.float32)
     tol = 1e-2 if peer == "flash-attn-res phase 1" else 1e-5  # it writes bf16 outputs
     for name in want:
         torch.testing.assert_close(got[name].float(), want[name], rtol=tol, atol=tol * math.sqrt(16), msg=name)
 
 
-def test_flash_attn_res_limits_are_skips(gpu, monkeypatch):
+def test_flash_attn_res_limits_are_skips(monkeypatch):
     for name, obj in _fake_flash_attn_res().items():
         module = types.ModuleType(name)
         module.phase_1_batched_attention_triton_op = obj
         monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.setattr(gpu, "_needs_cuda", lambda env, package: None)
-    env = gpu.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
-    with pytest.raises(gpu.Skip, match="power-of-two"):
-        gpu._flash_attn_res(gpu.ReadCase(3, 1, 2, 24, 1, torch.bfloat16), env)
-    with pytest.raises(gpu.Skip, match="bf16"):
-        gpu._flash_attn_res(gpu.ReadCase(3, 1, 2, 16, 1, torch.float32), env)
+    monkeypatch.setattr(gpu.reads, "_needs_cuda", lambda env, package: None)
+    env = gpu.environment.Env(torch.device("cpu"), dry_run=True, rep_ms=1, compile_backend="aot_eager")
+    with pytest.raises(gpu.environment.Skip, match="power-of-two"):
+        gpu.reads._flash_attn_res(gpu.reads.ReadCase(3, 1, 2, 24, 1, torch.bfloat16), env)
+    with pytest.raises(gpu.environment.Skip, match="bf16"):
+        gpu.reads._flash_attn_res(gpu.reads.ReadCase(3, 1, 2, 16, 1, torch.float32), env)
 
 
-def test_host_section_splits_a_read_and_restores_the_launcher(gpu, tmp_path):
+def test_host_section_splits_a_read_and_restores_the_launcher(tmp_path):
     """``--sections host``: the plain-PyTorch calls, every available fused backend's read at each layer, and
     Triton's own launches (timed by wrapping the launcher's kernels, which are put back afterwards)."""
     from attnres_kernels.triton import depth_attention_ops as launch
 
-    kernels = {name: getattr(launch, name) for name in gpu._TimedLaunches.KERNELS}
+    kernels = {name: getattr(launch, name) for name in gpu.host._TimedLaunches.KERNELS}
     assert gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "host"]) == 0
     assert {name: getattr(launch, name) for name in kernels} == kernels
     rows = json.loads((tmp_path / "gpu.json").read_text())["host"]
