@@ -120,7 +120,7 @@ def test_forward_schedules_over_many_rows_match_reference(dtype, d, q, out_norm,
     # several blocks of several tiles (pass B of each prefetches the next),
     # the last tile and the last block partial. bf16 rows of several sites
     # are swept for up to 4 sites at once (6 sites: a group of 4, then 2).
-    from test_fused_reads import compare_read
+    from tests.ops.test_fused_reads import compare_read
 
     dtypes = MIXED[:4] + MIXED[:4] + [torch.float32] if dtype == "mixed" else [dtype] * 9
     sources = [s.to(dt) for s, dt in zip(make_sources(9, (19, 23), d, torch.float64), dtypes)]
@@ -205,7 +205,7 @@ def test_multi_site_bf16_forward_streams_its_output_rows(q):
     """Several sites over bf16 rows, no output norm, an output of at least 8 MiB (2100 rows x q x 1024
     bf16): the sweep rounds each output vector straight into its row with non-temporal stores. Outputs
     and gradients against the reference."""
-    from test_fused_reads import compare_read
+    from tests.ops.test_fused_reads import compare_read
 
     compare_read("cpu", make_sources(5, (2100,), 1024, torch.bfloat16), q=q, out_norm=False)
 
@@ -222,7 +222,7 @@ def test_multi_site_bf16_forward_streams_its_output_rows(q):
 def test_backward_sweep_over_many_sources(n, rows, d, q, dtype):
     """The source-gradient sweep takes more than 8 sources in groups, each adding its part of du: outputs and
     all gradients against the reference, with and without the output norm."""
-    from test_fused_reads import compare_read
+    from tests.ops.test_fused_reads import compare_read
 
     sources = make_sources(n, (rows,), d, dtype)
     for out_norm in (False, True):
