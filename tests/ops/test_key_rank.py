@@ -8,8 +8,7 @@ import torch
 
 import attnres_kernels as ak
 from attnres_kernels import reference
-
-from support import make_sources
+from tests.support import make_sources
 
 
 def _independent_read(query, sources, norm_weight, rank, eps=1e-6, scale=1.0):
