@@ -38,7 +38,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def git_commit() -> str:
-    """The checkout's commit, marked when tracked files differ from it."""
+    """The checkout's commit, marked when tracked files other than the reports differ from it."""
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
@@ -46,7 +46,7 @@ def git_commit() -> str:
     head = git("rev-parse", "--short=12", "HEAD")
     if head.returncode:
         return "unknown (not a git checkout)"
-    dirty = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/results").returncode != 0
     return head.stdout.strip() + (" with uncommitted changes" if dirty else "")
 
 
