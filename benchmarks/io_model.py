@@ -201,7 +201,8 @@ READING = [
 ]
 
 
-def run(ds, layers: int, layers_per_block: int, tokens: int, header: str) -> str:
+def run(ds, layers: int, layers_per_block: int, tokens: int) -> str:
+    """The report's body (everything below its header) and the traffic counted per schedule and d."""
     reason = emulation.load()
     if reason is not None:
         raise SystemExit(reason)
@@ -216,7 +217,6 @@ def run(ds, layers: int, layers_per_block: int, tokens: int, header: str) -> str
         return traffic_bytes / (tokens * sublayers * d * itemsize)
 
     lines = [
-        header,
         f"fp32 models with {layers} transformer layers "
         f"({sublayers} sublayers = residual layers in the paper's sense, plus the output site), Block with "
         f'{layers_per_block} layers per block, {tokens} tokens, `backend="cuda"` under the SIMT harness '
@@ -289,7 +289,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     header = report_header("Bytes moved per schedule vs the paper's I/O model", argv)
-    report, results = run(args.d, args.layers, args.layers_per_block, args.tokens, header)
+    body, results = run(args.d, args.layers, args.layers_per_block, args.tokens)
+    report = header + "\n" + body
     for name, by_d in results.items():  # the row traffic is exactly proportional to d
         units = {round(by_d[d][k].rows / d, 9) for d in args.d for k in (0,)}
         if len(units) != 1:
