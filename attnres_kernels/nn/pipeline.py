@@ -406,10 +406,30 @@ def pipeline_stages(model, stage_indices, num_stages: int, device, group=None, c
         )
     handoff = _Handoff()
     device = torch.device(device)
+    get_mesh = _mesh_lookup(model)
     return [
-        stage_class(StageModule(model, plans[s], handoff, group_size), s, num_stages, device, group=group)
+        stage_class(
+            StageModule(model, plans[s], handoff, group_size), s, num_stages, device, group=group, get_mesh=get_mesh
+        )
         for s in stage_indices
     ]
+
+
+def _mesh_lookup(model):
+    """The ``get_mesh`` callback of the stages: the device mesh of the model's DTensor parameters
+    whose dim names and layout a received DTensor's metadata names. Under tensor parallelism the
+    depth state crosses a stage boundary as DTensors on the ``tp`` mesh (sharded on the
+    sequence), and the receiving stage rebuilds them on its own copy of that mesh."""
+    meshes = {}
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            meshes[(tuple(mesh.mesh_dim_names or ()), mesh._layout)] = mesh
+
+    def get_mesh(mesh_dim_names, mesh_layout):
+        return meshes.get((tuple(mesh_dim_names), mesh_layout))
+
+    return get_mesh
 
 
 @functools.cache
