@@ -25,7 +25,10 @@ stage k ``layers[c_k:c_{k+1}]`` and the last stage also ``logits``. A stage's su
 (``embed``, ``layers.<i>``, ``out_site``, ``final_norm``, ``head``): its
 ``named_parameters()`` spell each parameter as ``model.named_parameters()`` does, so
 optimizers, FSDP2 (``fully_shard`` the shard units inside a stage, then
-``stage.submod``) and DCP map one to one.
+``stage.submod``) and DCP map one to one. Under tensor parallelism (the plan of
+:mod:`attnres_kernels.nn.tensor_parallel` applied to the model before its stages are made)
+the tensors crossing a boundary are DTensors on the ``tp`` mesh, sharded on the sequence; the
+stages find that mesh among the model's parameters' (PyTorch's ``get_mesh`` callback).
 
 What crosses the boundary before layer ``c`` is the depth state as a flat tuple of
 tensors, each ``[*batch, D]`` (``[b, T, D]`` per microbatch), in this order
