@@ -17,7 +17,7 @@ from triton.runtime.jit import MockTensor
 from .._validation import MAX_HEAD_DIM, accumulation_dtype
 from . import INTERPRETING, cdiv, next_power_of_2
 from .attention_kernels import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel
-from .depth_attention_ops import AotLaunch
+from .common_ops import AotLaunch
 
 MIN_BLOCK_D = 32  # tl.dot needs K >= 16; Dh <= 16 pads to 32 (one configuration fewer to compile)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid dims y (heads) and z (batch)

@@ -11,7 +11,7 @@ from triton.runtime.jit import MockTensor
 
 from . import cdiv, max_dim, next_power_of_2
 from .block_step_kernels import block_step_bwd_kernel, block_step_fwd_kernel
-from .depth_attention_ops import AotLaunch, _as_dtype, column_sum
+from .common_ops import AotLaunch, as_dtype, column_sum
 
 MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configurations small
 BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reductions
@@ -68,8 +68,8 @@ def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _folded_query(query, norm_weight, acc: torch.dtype) -> torch.Tensor:
-    u = _as_dtype(query, acc)
-    return (u * _as_dtype(norm_weight, acc) if norm_weight is not None else u).contiguous()
+    u = as_dtype(query, acc)
+    return (u * as_dtype(norm_weight, acc) if norm_weight is not None else u).contiguous()
 
 
 def _check_full_width_keys(key_rank: int | None, dim: int) -> None:
@@ -103,7 +103,7 @@ def block_step_fwd(
         return new_partial, out, lse, logit, rinv
     upd, h_a = _rows(update, dim), _rows(prefix_out, dim)
     part = _rows(partial, dim) if partial is not None else None
-    g = _as_dtype(out_norm_weight, acc_torch).contiguous() if out_norm_weight is not None else None
+    g = as_dtype(out_norm_weight, acc_torch).contiguous() if out_norm_weight is not None else None
     block_step_fwd_kernel[(m,)](
         part,
         part.stride(0) if part is not None else 0,
@@ -179,7 +179,7 @@ def block_step_bwd(
             logit.reshape(m).contiguous(),
             rinv.reshape(m).contiguous(),
             _folded_query(query, norm_weight, acc_torch),
-            _as_dtype(out_norm_weight, acc_torch).contiguous() if grad_g is not None else None,
+            as_dtype(out_norm_weight, acc_torch).contiguous() if grad_g is not None else None,
             grad_total,
             grad_prefix_out,
             grad_prefix_lse,
@@ -201,11 +201,11 @@ def block_step_bwd(
         if grad_g is not None:
             column_sum(dg_part, grad_g)
     if norm_weight is not None:
-        grad_query = _as_dtype(grad_u * _as_dtype(norm_weight, acc_torch), query.dtype)
-        grad_norm = _as_dtype(grad_u * _as_dtype(query, acc_torch), norm_weight.dtype)
+        grad_query = as_dtype(grad_u * as_dtype(norm_weight, acc_torch), query.dtype)
+        grad_norm = as_dtype(grad_u * as_dtype(query, acc_torch), norm_weight.dtype)
     else:
-        grad_query, grad_norm = _as_dtype(grad_u, query.dtype), grad_u.new_empty((0,))
-    grad_out_norm = _as_dtype(grad_g, out_norm_weight.dtype) if grad_g is not None else grad_u.new_empty((0,))
+        grad_query, grad_norm = as_dtype(grad_u, query.dtype), grad_u.new_empty((0,))
+    grad_out_norm = as_dtype(grad_g, out_norm_weight.dtype) if grad_g is not None else grad_u.new_empty((0,))
     return grad_total, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_out_norm
 
 

@@ -19,6 +19,7 @@ from triton.runtime.jit import MockTensor
 
 from .._validation import ReadOptions, accumulation_dtype, promoted_dtype
 from . import cdiv, max_dim, next_power_of_2
+from .common_ops import COLUMN_SUM_COLS, COLUMN_SUM_PARTS, AotLaunch, as_dtype, column_sum
 from .depth_attention_kernels import column_sum_kernel, depth_attn_bwd_kernel, depth_attn_fwd_kernel
 
 MAX_BLOCK_Q = 8
@@ -29,7 +30,6 @@ MIN_BLOCK_D = 128  # narrower rows are masked: keeps the set of compiled configu
 # 341 / 322 / 399 / 584 µs at D = 1024, 1375 / 1378 / 1413 / 1405 at D = 4096 and, at Q = 4 and
 # D = 2048, 1649 / 1581 / 1570 / 1557.
 BWD_ROWS = 8
-COLUMN_SUM_PARTS, COLUMN_SUM_COLS = 128, 32  # column_sum_kernel's tile: 32 fp32 columns = one 128-byte line
 # Source dtypes in the kernels' slot order (see kernels.py). Under autocast the fp32 embedding comes
 # first and bf16/fp16 sublayer outputs after it, so the usual lists are already in slot order.
 SLOT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -81,18 +81,6 @@ def all_kernel_configs(dtype: torch.dtype) -> list:
         for exp_q in range(MAX_BLOCK_Q.bit_length()):
             configs.add(kernel_config(1 << exp_d, 1 << exp_q, dtype))
     return sorted(configs, key=lambda c: (c.block_d, c.block_q))
-
-
-class AotLaunch(NamedTuple):
-    """One kernel launch for the ahead-of-time check: the JIT function, its
-    arguments (``MockTensor`` for pointers), constexprs and launch options."""
-
-    name: str
-    config: str
-    kernel: object
-    args: list
-    constexprs: dict
-    options: dict
 
 
 def _config_launches(cfg: KernelConfig, dtype: torch.dtype):
@@ -303,18 +291,13 @@ def _site_params(query, norm_weight, out_norm_weight, acc: torch.dtype, scale: f
     """``u = scale · query ⊙ norm_weight`` and the output-norm weight as contiguous ``[Q, D]``
     accumulation-dtype tensors (``[D]`` parameters are shared by the Q sites)."""
     shape = (query.shape[0] if query.dim() == 2 else 1, query.shape[-1])
-    u = _as_dtype(query, acc).expand(shape)
+    u = as_dtype(query, acc).expand(shape)
     if norm_weight is not None:
-        u = u * _as_dtype(norm_weight, acc)
+        u = u * as_dtype(norm_weight, acc)
     if scale != 1.0:
         u = u * scale
-    g = _as_dtype(out_norm_weight, acc).expand(shape).contiguous() if out_norm_weight is not None else None
+    g = as_dtype(out_norm_weight, acc).expand(shape).contiguous() if out_norm_weight is not None else None
     return u.contiguous(), g
-
-
-def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``t.to(dtype)`` without the call when ``t`` has that dtype already (the usual fp32 parameters)."""
-    return t if t.dtype is dtype else t.to(dtype)
 
 
 def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -322,7 +305,7 @@ def _param_grad(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     no reduction kernel)."""
     if param.dim() == 1:
         grad = grad[0] if grad.shape[0] == 1 else grad.sum(0)
-    return _as_dtype(grad, param.dtype)
+    return as_dtype(grad, param.dtype)
 
 
 def _order_index(layout: SlotLayout, device: torch.device) -> torch.Tensor:
@@ -415,15 +398,6 @@ def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm
     return outputs
 
 
-def column_sum(part: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = part.sum(0)`` in a fixed order (see :func:`column_sum_kernel`); ``part`` is contiguous."""
-    n_parts = part.shape[0]
-    n_cols = part.numel() // n_parts
-    column_sum_kernel[(cdiv(n_cols, COLUMN_SUM_COLS),)](
-        part, out, n_parts, n_cols, BLOCK_PARTS=COLUMN_SUM_PARTS, BLOCK_COLS=COLUMN_SUM_COLS, num_warps=4
-    )
-
-
 def depth_attn_bwd(
     grad_out,
     grad_lse,
@@ -466,8 +440,8 @@ def depth_attn_bwd(
     if options.scale != 1.0:  # grad_u is the gradient of u = scale · query ⊙ norm_weight
         grad_u = grad_u * options.scale
     if norm_weight is not None:
-        grad_query = _param_grad(grad_u * _as_dtype(norm_weight, acc_torch), query)
-        grad_norm = _param_grad(grad_u * _as_dtype(query, acc_torch), norm_weight)
+        grad_query = _param_grad(grad_u * as_dtype(norm_weight, acc_torch), query)
+        grad_norm = _param_grad(grad_u * as_dtype(query, acc_torch), norm_weight)
     else:
         grad_query, grad_norm = _param_grad(grad_u, query), u.new_empty((0,))
     grad_out_norm = _param_grad(grad_g, out_norm_weight) if has_norm else u.new_empty((0,))

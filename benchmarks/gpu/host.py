@@ -49,26 +49,29 @@ def _host_call_us(fn: Callable, env: Env) -> tuple:
 
 
 class _TimedLaunches:
-    """Wraps the Triton depth-read launcher's kernels (``attnres_kernels.triton.depth_attention_ops``) to time each
+    """Wraps the kernels of a Triton depth read (in the launcher modules that launch them:
+    ``attnres_kernels.triton.depth_attention_ops``, and ``common_ops`` for the column sum) to time each
     ``kernel[grid](...)`` call on the host: Triton's own launch path (argument binding, specialization,
     the driver call), apart from the launcher's Python around it."""
 
     KERNELS = ("depth_attn_fwd_kernel", "depth_attn_bwd_kernel", "column_sum_kernel")
 
     def __init__(self):
-        from attnres_kernels.triton import depth_attention_ops as launch
+        from attnres_kernels.triton import common_ops, depth_attention_ops
 
-        self.launch, self.times = launch, {name: [] for name in self.KERNELS}
-        self.originals = {name: getattr(launch, name) for name in self.KERNELS}
+        #: each kernel's launcher module
+        self.launchers = dict(zip(self.KERNELS, (depth_attention_ops, depth_attention_ops, common_ops)))
+        self.times = {name: [] for name in self.KERNELS}
+        self.originals = {name: getattr(launcher, name) for name, launcher in self.launchers.items()}
 
     def __enter__(self):
         for name, kernel in self.originals.items():
-            setattr(self.launch, name, self._timed(name, kernel))
+            setattr(self.launchers[name], name, self._timed(name, kernel))
         return self
 
     def __exit__(self, *exc):
         for name, kernel in self.originals.items():
-            setattr(self.launch, name, kernel)
+            setattr(self.launchers[name], name, kernel)
 
     def _timed(self, name: str, kernel):
         times = self.times[name]

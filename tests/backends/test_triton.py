@@ -174,7 +174,7 @@ def test_launch_helpers_match_triton():
 
 def test_triton_kernels_are_launched(monkeypatch):
     """Counts launches of the real kernels: a fallback could not produce them."""
-    from attnres_kernels.triton import depth_attention_ops as launch
+    from attnres_kernels.triton import common_ops, depth_attention_ops
 
     launches = {}
 
@@ -186,8 +186,12 @@ def test_triton_kernels_are_launched(monkeypatch):
             launches[self.name] = launches.get(self.name, 0) + 1
             return self.kernel[grid]
 
-    for name in ("depth_attn_fwd_kernel", "depth_attn_bwd_kernel", "column_sum_kernel"):
-        monkeypatch.setattr(launch, name, Spy(getattr(launch, name), name))
+    for launcher, name in (
+        (depth_attention_ops, "depth_attn_fwd_kernel"),
+        (depth_attention_ops, "depth_attn_bwd_kernel"),
+        (common_ops, "column_sum_kernel"),
+    ):
+        monkeypatch.setattr(launcher, name, Spy(getattr(launcher, name), name))
     sources = [s.requires_grad_() for s in make_sources(3, (4,), 8)]
     w, g, _ = site_params(None, 8)
     ak.depth_attention(w, sources, g, backend="triton").sum().backward()

@@ -352,11 +352,10 @@ def test_flash_attn_res_limits_are_skips(monkeypatch):
 def test_host_section_splits_a_read_and_restores_the_launcher(tmp_path):
     """``--sections host``: the plain-PyTorch calls, every available fused backend's read at each layer, and
     Triton's own launches (timed by wrapping the launcher's kernels, which are put back afterwards)."""
-    from attnres_kernels.triton import depth_attention_ops as launch
-
-    kernels = {name: getattr(launch, name) for name in gpu.host._TimedLaunches.KERNELS}
+    launchers = gpu.host._TimedLaunches().launchers
+    kernels = {name: getattr(launcher, name) for name, launcher in launchers.items()}
     assert gpu.main(["--dry-run", "--out", str(tmp_path), "--sections", "host"]) == 0
-    assert {name: getattr(launch, name) for name in kernels} == kernels
+    assert {name: getattr(launcher, name) for name, launcher in launchers.items()} == kernels
     rows = json.loads((tmp_path / "gpu.json").read_text())["host"]
     assert all(0 < r["best_us"] <= r["median_us"] for r in rows), rows
     calls = {(r["backend"], r["call"]) for r in rows}
