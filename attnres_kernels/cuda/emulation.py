@@ -40,9 +40,9 @@ def requested() -> bool:
 
 
 def _register() -> None:
-    from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attn_ops
+    from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attention_ops
 
-    register_depth_attn_ops(
+    register_depth_attention_ops(
         "attnres_emu::depth_attn_fwd", "attnres_emu::depth_attn_bwd", torch.ops.attnres_emu.depth_attn_bwd.default
     )
     register_attention_ops("attnres_emu::attn_fwd", "attnres_emu::attn_bwd", torch.ops.attnres_emu.attn_bwd.default)

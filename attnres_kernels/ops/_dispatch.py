@@ -162,7 +162,7 @@ def triton_ops():
         # Each op family: its fake kernels, and its autograd in Python only when the C++ extension
         # (which registers it for these ops too) is not loaded.
         for family, register_fakes, register_ops in (
-            ("depth_attn", reg.register_depth_attn_fakes, reg.register_depth_attn_ops),
+            ("depth_attn", reg.register_depth_attention_fakes, reg.register_depth_attention_ops),
             ("attn", reg.register_attention_fakes, reg.register_attention_ops),
             ("block_step", reg.register_block_step_fakes, reg.register_block_step_ops),
         ):

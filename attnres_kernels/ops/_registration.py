@@ -152,12 +152,12 @@ def fake_depth_bwd(
     )
 
 
-def register_depth_attn_fakes(fwd_name: str, bwd_name: str) -> None:
+def register_depth_attention_fakes(fwd_name: str, bwd_name: str) -> None:
     torch.library.register_fake(fwd_name)(fake_depth_fwd)
     torch.library.register_fake(bwd_name)(fake_depth_bwd)
 
 
-def register_depth_attn_autograd(fwd_name: str, bwd_op) -> None:
+def register_depth_attention_autograd(fwd_name: str, bwd_op) -> None:
     """Python autograd of a depth-read forward op (``bwd_op`` computes its gradients)."""
 
     def setup_context(ctx, inputs, output):
@@ -227,19 +227,19 @@ def differentiable_depth_bwd(
     return [g if g is not None else query.new_empty((0,)) for g in grads]
 
 
-def register_native_depth_attn_ops(namespace: str = "attnres") -> None:
+def register_native_depth_attention_ops(namespace: str = "attnres") -> None:
     """Python parts of a C++ depth read whose autograd is registered in C++: the
     fake kernels and the differentiable backward its double backward calls."""
-    register_depth_attn_fakes(f"{namespace}::depth_attn_fwd", f"{namespace}::depth_attn_bwd")
+    register_depth_attention_fakes(f"{namespace}::depth_attn_fwd", f"{namespace}::depth_attn_bwd")
     torch.library.impl(f"{namespace}::depth_attn_bwd_differentiable", "CompositeImplicitAutograd")(
         differentiable_depth_bwd
     )
 
 
-def register_depth_attn_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
+def register_depth_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
     """Registers the fake kernels of both ops and the Python autograd of the forward."""
-    register_depth_attn_fakes(fwd_name, bwd_name)
-    register_depth_attn_autograd(fwd_name, bwd_op)
+    register_depth_attention_fakes(fwd_name, bwd_name)
+    register_depth_attention_autograd(fwd_name, bwd_op)
 
 
 # ---------------------------------------------------------------- attention

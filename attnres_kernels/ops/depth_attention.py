@@ -27,10 +27,10 @@ from .._validation import (
 )
 from ..reference import ops as reference_ops
 from . import _dispatch, _native
-from ._registration import register_native_depth_attn_ops
+from ._registration import register_native_depth_attention_ops
 
 if _native.available():
-    register_native_depth_attn_ops()
+    register_native_depth_attention_ops()
 
 
 def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weighted_values: bool = False):
