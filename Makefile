@@ -92,7 +92,7 @@ cuda-build: $(CUDA_VENV)/.installed
 	rm -f $(CUDA_SRC)/attnres_kernels/_C*.so
 	cd $(CUDA_SRC) && TORCH_CUDA_ARCH_LIST="$(CUDA_BUILD_ARCHS)" \
 	  $(abspath $(CUDA_VENV))/bin/python -m pip install --no-build-isolation --no-deps .
-	cd $(CUDA_VENV) && bin/python -c "import torch, attnres_kernels.ops._native as n; \
+	cd $(CUDA_VENV) && bin/python -c "import torch, attnres_kernels._native as n; \
 	  assert torch.version.cuda, 'torch in $(CUDA_VENV) is not a CUDA build'; \
 	  assert n.available(), n.LOAD_ERROR; \
 	  missing = [op for op in ('depth_attn_fwd', 'depth_attn_bwd', 'attn_fwd', 'attn_bwd', 'block_step_fwd', \

@@ -10,7 +10,12 @@
 - :mod:`attnres_kernels.reference`: the plain-PyTorch oracles.
 """
 
-from . import nn, reference
+import os
+
+import torch
+
+from . import _backends, nn, reference
+from ._native import build_info
 from .ops import (
     BACKENDS,
     BackendUnavailableError,
@@ -20,10 +25,28 @@ from .ops import (
     depth_attention,
     depth_attention_merge,
 )
-from .ops._dispatch import register_triton_ops_where_used
-from .ops._native import build_info
 
-register_triton_ops_where_used()
+# The fused backends: each registers itself with the op layer when its package is imported
+# (attnres_kernels._backends), on first use.
+_backends.locate("cpu", f"{__name__}._native")
+_backends.locate("cuda", f"{__name__}.cuda")
+_backends.locate("triton", f"{__name__}.triton")
+
+
+def _define_triton_ops_where_used() -> None:
+    """Defines the Triton ops now where ``"auto"`` picks them (a CUDA device) or the interpreter was
+    asked for (``TRITON_INTERPRET=1``), rather than on first use: a model compiled before its first
+    eager call would meet their definition (imports, library definitions) inside the code
+    ``torch.compile`` traces, which it cannot trace. Elsewhere Triton is not imported (about a second)."""
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
+        return
+    from . import triton
+
+    if triton.IMPORT_ERROR is None:
+        triton.define_ops()
+
+
+_define_triton_ops_where_used()
 
 __version__ = "0.1.0"
 

@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnres_kernels as ak
 from attnres_kernels._validation import PAPER_READ
-from attnres_kernels.ops.depth_attention import read_unchecked
+from attnres_kernels.ops.internal import read_unchecked
 
 from common import (
     cpu_description,

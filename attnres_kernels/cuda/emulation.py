@@ -10,8 +10,9 @@ configuration of the real build. The module is built with
 unchanged. Each launch is logged with the global-memory bytes it read and
 wrote per buffer (:func:`launch_log`).
 
-Adding a kernel family: add its ``.cpp`` (if any) to :data:`SOURCES`, its op
-names to :data:`OPS`, and register its fakes/autograd in :func:`_register`.
+Adding a kernel family: add its ``.cpp`` (if any) to :data:`SOURCES` and its op
+names to :data:`OPS` (the op layer registers the fakes and autograd of each family's
+``<family>_fwd``/``<family>_bwd`` pair it knows: :mod:`attnres_kernels.ops._registration`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .. import _backends
 
 ENV = "ATTNRES_CUDA_EMULATE"
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,18 +40,6 @@ _state: dict = {"loaded": False, "error": None}
 def requested() -> bool:
     """Whether ``ATTNRES_CUDA_EMULATE=1`` asks for the emulated CUDA backend."""
     return os.environ.get(ENV, "0") == "1"
-
-
-def _register() -> None:
-    from ..ops._registration import register_attention_ops, register_block_step_ops, register_depth_attention_ops
-
-    register_depth_attention_ops(
-        "attnres_emu::depth_attn_fwd", "attnres_emu::depth_attn_bwd", torch.ops.attnres_emu.depth_attn_bwd.default
-    )
-    register_attention_ops("attnres_emu::attn_fwd", "attnres_emu::attn_bwd", torch.ops.attnres_emu.attn_bwd.default)
-    register_block_step_ops(
-        "attnres_emu::block_step_fwd", "attnres_emu::block_step_bwd", torch.ops.attnres_emu.block_step_bwd.default
-    )
 
 
 def load() -> str | None:
@@ -80,7 +71,7 @@ def load() -> str | None:
                 is_python_module=False,
                 verbose=False,
             )
-            _register()
+            _backends.ops_defined("attnres_emu")  # the op layer registers their fake kernels and autograd
             _state["loaded"] = True
         except Exception as exc:  # a failed build is reported as the backend's reason
             _state["error"] = f"building the emulated CUDA kernels failed: {exc}"

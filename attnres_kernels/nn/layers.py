@@ -19,7 +19,7 @@ layers must be one FSDP unit (``fully_shard([layer, ...])``, see the models'
 ``shard_units()``); reading a site whose parameters are still sharded raises
 :class:`ShardedSiteError` instead of failing inside the op.
 
-Each layer's reads run through :func:`attnres_kernels.ops.depth_attention.read_unchecked`:
+Each layer's reads run through :func:`attnres_kernels.ops.internal.read_unchecked`:
 the models guarantee what the public op validates (same-shape sources on one
 device, ``[D]`` site parameters) and resolve the backends once per forward
 (:func:`resolve_backends`), so a read costs one op call.
@@ -35,10 +35,7 @@ from torch import Tensor, nn
 
 from .. import ops
 from .._validation import ReadOptions
-from .._when_imported import when_imported
-from ..ops import _dispatch, _native, _sharding
-from ..ops.block_step import step_unchecked
-from ..ops.depth_attention import read_unchecked
+from ..ops.internal import fused_step_backend, is_dtensor, read_unchecked, step_unchecked
 from ..reference import models as ref
 from .cache import LayerKVCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
@@ -60,34 +57,6 @@ class Backends(NamedTuple):
 
     depth: str
     step: str | None
-
-
-_FUSED_STEP: dict = {}
-
-
-def fused_step_backend(depth: str) -> str | None:
-    """The backend of the fused Block step on depth backend ``depth``: ``depth`` itself
-    when it has a ``block_step_fwd`` kernel (the reference always does), else None.
-    A constant of the process (kernels are registered at import); torch.compile
-    takes it as one."""
-    if depth not in _FUSED_STEP:
-        if depth in ("cpu", "cuda"):
-            defined = _native.has_kernel("block_step_fwd", depth)
-            if depth == "cuda" and not defined:  # CPU tensors under the SIMT harness (ATTNRES_CUDA_EMULATE=1)
-                from ..cuda import emulation
-
-                defined = emulation.unavailable_reason("block_step_fwd") is None
-        elif depth == "triton":
-            defined = hasattr(_dispatch.triton_ops(), "block_step_fwd")
-        else:
-            defined = True
-        _FUSED_STEP[depth] = depth if defined else None
-    return _FUSED_STEP[depth]
-
-
-# torch.compile takes it as a constant (torch.compiler.assume_constant_result), marked once
-# torch._dynamo is imported: importing it here only to mark the function cost ~1 s.
-when_imported("torch._dynamo", lambda _: torch.compiler.assume_constant_result(fused_step_backend))
 
 
 def resolve_backends(backend: str, like: Tensor) -> Backends:
@@ -155,7 +124,7 @@ def _rms_norm(h: Tensor, weight: Tensor, eps: float) -> Tensor:
 def _sharded(param) -> bool:
     """Whether ``param`` is a DTensor split over ranks (FSDP keeps it sharded between
     forwards); tensor parallelism replicates the site parameters, which are then whole."""
-    return _sharding.is_dtensor(param) and not all(p.is_replicate() for p in param.placements)
+    return is_dtensor(param) and not all(p.is_replicate() for p in param.placements)
 
 
 def _check_gathered(group: tuple) -> None:
@@ -182,7 +151,7 @@ def phase1_read(backends: Backends, sources, group: tuple, eps: float):
     h, lse = read_unchecked(
         backends.depth, list(sources), query, norm_weight, options=ReadOptions(eps, eps), return_lse=True
     )
-    if _sharding.is_dtensor(lse):
+    if is_dtensor(lse):
         # Tensor parallel: the first site's lse is never read, and unbind's backward would
         # stand in a plain-tensor zero for it among DTensors. Rows of lse are 1/D of h's.
         return h.unbind(0), tuple(lse[i] for i in range(lse.shape[0]))

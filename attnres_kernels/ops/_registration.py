@@ -56,7 +56,7 @@ import dataclasses
 
 import torch
 
-from .. import reference
+from .. import _backends, reference
 from .._validation import DepthReadArgs, ReadOptions, accumulation_dtype, promoted_dtype
 from ..reference import ops as reference_ops
 
@@ -485,3 +485,27 @@ def register_block_step_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
     """Fake kernels of both Block-step ops and the Python autograd of the forward."""
     register_block_step_fakes(fwd_name, bwd_name)
     register_block_step_autograd(fwd_name, bwd_op)
+
+
+# ---------------------------------------------------------------- the ops of the Python-loaded backends
+
+
+def register_backend_ops(namespace: str) -> None:
+    """Fake kernels and autograd of the ops a backend defined in ``namespace`` (the Triton ops, the
+    emulated CUDA kernels: every op family's ``<family>_fwd``/``<family>_bwd`` pair). The autograd is
+    Python's unless the C++ extension registered its own for the op (csrc/autograd serves the Triton
+    ops it knows, as it serves the native ones: without Python on the autograd path)."""
+    ops = getattr(torch.ops, namespace)
+    for family, register_fakes, register_ops in (
+        ("depth_attn", register_depth_attention_fakes, register_depth_attention_ops),
+        ("attn", register_attention_fakes, register_attention_ops),
+        ("block_step", register_block_step_fakes, register_block_step_ops),
+    ):
+        fwd, bwd = f"{namespace}::{family}_fwd", f"{namespace}::{family}_bwd"
+        if torch._C._dispatch_has_kernel_for_dispatch_key(fwd, "Autograd"):
+            register_fakes(fwd, bwd)
+        else:
+            register_ops(fwd, bwd, getattr(ops, f"{family}_bwd").default)
+
+
+_backends.when_ops_defined(register_backend_ops)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import _native, reference
 from .._validation import MAX_HEAD_DIM, check_attention
-from . import _dispatch, _native
+from . import _dispatch
 from ._registration import register_native_attention_ops
 
 if _native.defines("attn_fwd"):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import reference
+from .. import _backends, _native, reference
 from .._validation import (
     accumulation_dtype,
     check_block_step,
@@ -18,7 +18,7 @@ from .._validation import (
     check_read_options,
     promoted_dtype,
 )
-from . import _dispatch, _native
+from . import _dispatch
 from ._registration import register_native_block_step_ops
 
 if _native.defines("block_step_fwd"):
@@ -31,18 +31,9 @@ def _limit(dim: int, acc: torch.dtype, key_rank: int | None = None):
     def limit(backend: str) -> str | None:
         if key_rank is not None:
             return f"backend {backend!r} has no Block-step kernel for sliced low-rank keys (key_rank) yet"
-        if backend == "triton":
-            from .. import triton as triton_backend
-
-            if dim > triton_backend.max_dim(acc):
-                return (
-                    f"the Triton Block step supports D <= {triton_backend.max_dim(acc)} for {acc} math, got D = {dim}"
-                )
-        if backend == "cuda":
-            from .. import cuda as cuda_backend
-
-            if dim > cuda_backend.max_dim(acc):
-                return f"the CUDA Block step supports D <= {cuda_backend.max_dim(acc)}, got D = {dim}"
+        fused = _backends.get(backend)
+        if fused.max_dim is not None and dim > fused.max_dim(acc):
+            return f"the {fused.title} Block step supports D <= {fused.max_dim(acc)} for {acc} math, got D = {dim}"
         return None
 
     return limit

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from .. import _backends, _native
 from .._validation import (
     PAPER_READ,
     DepthReadArgs,
@@ -26,7 +27,7 @@ from .._validation import (
     check_read_options,
 )
 from ..reference import ops as reference_ops
-from . import _dispatch, _native
+from . import _dispatch
 from ._registration import register_native_depth_attention_ops
 
 if _native.available():
@@ -42,16 +43,9 @@ def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weig
             return "the fused kernels normalise the values only without a key-norm weight (norm_weight=None)"
         if options.key_rank is not None:
             return f"backend {backend!r} has no kernel for sliced low-rank keys (key_rank) yet"
-        if backend == "triton":
-            from .. import triton as triton_backend
-
-            if dim > triton_backend.max_dim(dtype):
-                return f"the Triton kernels support D <= {triton_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
-        if backend == "cuda":
-            from .. import cuda as cuda_backend
-
-            if dim > cuda_backend.max_dim(dtype):
-                return f"the CUDA kernels support D <= {cuda_backend.max_dim(dtype)} for {dtype}, got D = {dim}"
+        fused = _backends.get(backend)
+        if fused.max_dim is not None and dim > fused.max_dim(dtype):
+            return f"the {fused.title} kernels support D <= {fused.max_dim(dtype)} for {dtype}, got D = {dim}"
         return None
 
     return limit

@@ -4,15 +4,16 @@
 
 They take the same schemas as the C++ ops and run on whatever device the Triton
 launch targets: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``. Their
-fake kernels and autograd are the op layer's business
-(:func:`attnres_kernels.ops._dispatch.triton_ops` registers them): kernels do not
-import the layer above them.
+fake kernels and autograd are the op layer's business (it registers them when this
+module says the ops are defined: :func:`attnres_kernels._backends.ops_defined`): kernels
+do not import the layer above them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .. import _backends
 from .._validation import READ_OPTIONS_SCHEMA
 from . import attention_ops, block_step_ops, depth_attention_ops
 
@@ -47,3 +48,4 @@ for _device in ("CPU", "CUDA"):
     _lib.impl("attn_bwd", attention_ops.attn_bwd, _device)
     _lib.impl("block_step_fwd", block_step_ops.block_step_fwd, _device)
     _lib.impl("block_step_bwd", block_step_ops.block_step_bwd, _device)
+_backends.ops_defined("attnres_triton")

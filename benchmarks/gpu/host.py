@@ -11,7 +11,7 @@ import torch
 import attnres_kernels as ak
 from attnres_kernels._validation import ReadOptions
 from attnres_kernels.ops import _dispatch
-from attnres_kernels.ops.depth_attention import read_unchecked
+from attnres_kernels.ops.internal import read_unchecked
 
 from .environment import EPS, Env
 from .reads import ReadCase, make_inputs

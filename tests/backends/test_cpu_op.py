@@ -97,7 +97,7 @@ def test_compile_fullgraph_nn_model():
 
 
 def test_build_info_names_the_vector_isa_and_the_cuda_kernels():
-    from attnres_kernels.ops import _native
+    from attnres_kernels import _native
 
     info = ak.build_info()
     assert "CPU vector ISA" in info

@@ -173,7 +173,7 @@ def test_opcheck():
 
 def test_schema_matches_the_native_op():
     """attnres_emu:: states the schemas of attnres:: (csrc/bindings.cpp) a second time: they must agree."""
-    if not ak.ops._native.available():
+    if not ak._native.available():
         pytest.skip("the C++ extension is not built")
     for name in ("depth_attn_fwd", "depth_attn_bwd"):
         emu = getattr(torch.ops.attnres_emu, name).default._schema

@@ -10,9 +10,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import attnres_kernels as ak
-from attnres_kernels import reference
+from attnres_kernels import _native, reference
 from attnres_kernels.nn import layers as nn_layers
-from attnres_kernels.ops import _native
 from tests.support import model_variants
 
 VOCAB, D, HEADS = 29, 16, 2

@@ -254,6 +254,6 @@ def _op_samples(q=2, d=6, rows=(3, 2), n=3):
 
 @pytest.mark.parametrize("backend", FUSED)
 def test_opcheck(backend):
-    op = (torch.ops.attnres if backend == "cpu" else ak.ops._dispatch.triton_ops()).depth_attn_fwd.default
+    op = ak.ops._dispatch.fused_op(backend, "depth_attn_fwd", torch.device("cpu"))
     for args in _op_samples():
         torch.library.opcheck(op, args)

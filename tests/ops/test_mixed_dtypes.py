@@ -165,7 +165,7 @@ def test_mixed_strided_sources_and_a_gradient_through_lse_only(backend):
 @pytest.mark.parametrize("backend", FUSED)
 def test_opcheck_mixed_dtypes(backend):
     """The fake kernel's promoted dtypes agree with the kernel's (opcheck compares them)."""
-    ns = torch.ops.attnres if backend == "cpu" else ak.ops._dispatch.triton_ops()
+    op = ak.ops._dispatch.fused_op(backend, "depth_attn_fwd", torch.device("cpu"))
     sources = [t.requires_grad_() for t in mixed_sources([torch.float32, torch.bfloat16, torch.float16], (3, 2), 8)]
     w = torch.randn(2, 8, requires_grad=True)
     g = torch.rand(8, requires_grad=True)
@@ -173,4 +173,4 @@ def test_opcheck_mixed_dtypes(backend):
     lse_a = torch.randn(2, 3, 2, requires_grad=True)
     paper = ReadOptions()
     for args in [(sources, w, g, None, None, g, *paper), (sources, w, None, h_a, lse_a, None, *paper)]:
-        torch.library.opcheck(ns.depth_attn_fwd.default, args)
+        torch.library.opcheck(op, args)

@@ -134,7 +134,7 @@ def test_named_backend_that_cannot_run_raises_instead_of_falling_back():
 
 
 def test_missing_extension_is_reported_not_hidden(monkeypatch):
-    from attnres_kernels.ops import _native
+    from attnres_kernels import _native
 
     monkeypatch.setattr(_native, "LOAD_ERROR", ImportError("not built"))
     with pytest.raises(ak.BackendUnavailableError, match="not built"):
@@ -189,7 +189,7 @@ def test_import_defers_dtensor_and_dynamo():
 import sys
 import torch
 import attnres_kernels as ak
-from attnres_kernels.nn.layers import fused_step_backend
+from attnres_kernels.ops.internal import fused_step_backend
 imported = [m for m in ("torch.distributed.tensor", "torch._dynamo") if m in sys.modules]
 assert not imported, f"`import attnres_kernels` imported {imported}"
 import importlib.util

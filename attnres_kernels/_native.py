@@ -1,4 +1,6 @@
-"""The C++ ops of ``attnres_kernels._C`` (CPU now; CUDA when built with nvcc).
+"""The C++ ops of ``attnres_kernels._C`` (CPU now; CUDA when built with nvcc), and the
+``"cpu"`` backend, which runs them on CPU tensors (the ``"cuda"`` backend runs them on
+CUDA tensors: :mod:`attnres_kernels.cuda`).
 
 Importing this module loads the extension if it was built. The package works
 without the extension (reference backend only); asking for a native backend
@@ -11,8 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from . import _backends
+
 try:
-    from .. import _C  # noqa: F401  (loading the library runs TORCH_LIBRARY)
+    import attnres_kernels._C  # noqa: F401  (loading the library runs TORCH_LIBRARY)
 
     LOAD_ERROR = None
 except ImportError as exc:  # not built, or built against another torch
@@ -55,3 +59,26 @@ def build_info() -> str:
         return f"C++ extension not loaded: {LOAD_ERROR}"
     cuda = "registered" if any(device == "cuda" for _, device in KERNELS) else "not built"
     return f"{torch.ops.attnres.build_info()}; CUDA kernels: {cuda}"
+
+
+def unavailable_reason(backend: str, device: torch.device, op: str) -> str | None:
+    """Why the native backend ``backend`` (``"cpu"`` or ``"cuda"``, the device type its kernels
+    serve) cannot run ``attnres::<op>`` on ``device`` tensors, or None if it can."""
+    if device.type != backend:
+        return f"backend {backend!r} needs {backend} tensors, got {device.type} tensors"
+    if not available():
+        return f"the C++ extension attnres_kernels._C is not available ({LOAD_ERROR})"
+    if not has_kernel(op, backend):
+        return f"the C++ extension was built without a {backend} kernel of attnres::{op}"
+    return None
+
+
+_backends.register(
+    "cpu",
+    _backends.Backend(
+        title="C++ CPU",
+        unavailable_reason=lambda device, op: unavailable_reason("cpu", device, op),
+        ops=lambda device: torch.ops.attnres,
+        max_dim=None,  # the CPU kernels take every width
+    ),
+)
