@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 from .. import ops
 from . import layers as L
 from .cache import DecodeCache
+from .pipeline import pipeline_stages
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
 # Defaults chosen by measuring train steps (benchmarks/model_steps.py, CPU, the demo
@@ -177,22 +178,20 @@ class _DecoderLM(nn.Module):
         """Stage ``stage_index`` of ``num_stages`` as a ``torch.distributed.pipelining.PipelineStage``
         (one stage per rank: ``ScheduleGPipe``, ``Schedule1F1B``); see
         :func:`attnres_kernels.nn.pipeline.pipeline_stages`."""
-        from .pipeline import pipeline_stages
-
         return pipeline_stages(self, [stage_index], num_stages, device, group, cuts, cache=cache)[0]
 
     def pipeline_stages(self, stage_indices, num_stages: int, device, group=None, cuts=None, *, cache=True) -> list:
         """This rank's stages ``stage_indices`` of ``num_stages`` (several per rank for the
         interleaved schedules, stage ``s`` on rank ``s % group size``); see
         :func:`attnres_kernels.nn.pipeline.pipeline_stages`."""
-        from .pipeline import pipeline_stages
-
         return pipeline_stages(self, stage_indices, num_stages, device, group, cuts, cache=cache)
 
 
 class StandardTransformer(_DecoderLM):
     """``h = h + attn(norm(h)); h = h + mlp(norm(h))``; ``backend`` is the attention's
     (``attention_backend="auto"``); the standard model has no depth reads."""
+
+    depth_state = None  # its layers pass on the plain hidden state
 
     def __init__(
         self,
@@ -280,6 +279,8 @@ class FullAttnResTransformer(_AttnResLM):
     ``chunk_size``: sites per chunk of the chunked schedule (1: site by site;
     default :data:`DEFAULT_CHUNK_SIZE`); see :mod:`attnres_kernels.nn.models`."""
 
+    depth_state = FullAttnResState  # what its layers pass on
+
     def __init__(
         self,
         vocab_size: int,
@@ -345,6 +346,8 @@ class BlockAttnResTransformer(_AttnResLM):
     ``schedule``: ``"two_phase"`` (one multi-query read of the committed blocks per
     block, then the fused Block step per site) or ``"per_site"`` (default:
     :data:`DEFAULT_BLOCK_SCHEDULE`)."""
+
+    depth_state = BlockAttnResState  # what its layers pass on
 
     def __init__(
         self,

@@ -78,10 +78,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .models import BlockAttnResTransformer, FullAttnResTransformer, StandardTransformer
 from .sites import BlockAttnResState, FullAttnResState
 
-_MODELS = (StandardTransformer, FullAttnResTransformer, BlockAttnResTransformer)
+# The models (attnres_kernels.nn.models, whose pipeline_stage(s) methods call this module) differ here
+# only in the depth state their layers pass on, ``model.depth_state``: FullAttnResState,
+# BlockAttnResState, or None for the standard model's plain hidden state.
+_MODEL_NAMES = ("StandardTransformer", "FullAttnResTransformer", "BlockAttnResTransformer")
 
 
 def pipeline_cuts(model) -> list[int]:
@@ -96,9 +98,9 @@ def pipeline_cuts(model) -> list[int]:
 def boundary_layout(model, cut: int) -> list[str]:
     """Names of the tensors that cross the boundary before layer ``cut``, in packing order."""
     _check_cut(model, cut)
-    if isinstance(model, StandardTransformer):
+    if model.depth_state is None:
         return ["h"]
-    if isinstance(model, FullAttnResTransformer):
+    if model.depth_state is FullAttnResState:
         return [f"sources[{k}]" for k in range(1 + 2 * cut)]
     return [f"blocks[{b}]" for b in range(_committed_blocks(model, cut))] + ["partial"]
 
@@ -106,11 +108,11 @@ def boundary_layout(model, cut: int) -> list[str]:
 def pack_boundary(model, cut: int, state) -> list[Tensor]:
     """The state after ``layers[:cut]`` as the flat list :func:`boundary_layout` names."""
     layout = boundary_layout(model, cut)
-    if isinstance(model, StandardTransformer):
+    if model.depth_state is None:
         tensors = [state]
     elif state.weights is not None:
         raise ValueError("depth weights are not carried across a pipeline stage; run without return_depth_weights")
-    elif isinstance(model, FullAttnResTransformer):
+    elif model.depth_state is FullAttnResState:
         tensors = list(state.sources)
     else:
         tensors = [*state.blocks, state.block_sum()]
@@ -124,9 +126,9 @@ def unpack_boundary(model, cut: int, tensors: list[Tensor]):
     layout = boundary_layout(model, cut)
     if len(tensors) != len(layout):
         raise ValueError(f"a cut before layer {cut} carries {len(layout)} tensors ({layout}), got {len(tensors)}")
-    if isinstance(model, StandardTransformer):
+    if model.depth_state is None:
         return tensors[0]
-    if isinstance(model, FullAttnResTransformer):
+    if model.depth_state is FullAttnResState:
         return FullAttnResState(tuple(tensors))
     return BlockAttnResState(tuple(tensors[:-1]), tensors[-1])
 
@@ -137,9 +139,9 @@ def reusable_tensors(model, cut: int) -> int:
     (every source), Block ``cut // layers_per_block + 1`` (the blocks whose layers all ran),
     Standard 0."""
     _check_cut(model, cut)
-    if isinstance(model, StandardTransformer):
+    if model.depth_state is None:
         return 0
-    if isinstance(model, FullAttnResTransformer):
+    if model.depth_state is FullAttnResState:
         return 1 + 2 * cut
     return cut // model.layers_per_block + 1
 
@@ -177,13 +179,13 @@ def balanced_cuts(model, num_stages: int) -> list[int]:
     return min(final)[2]
 
 
-def _committed_blocks(model: BlockAttnResTransformer, cut: int) -> int:
+def _committed_blocks(model, cut: int) -> int:
     return 0 if cut == 0 else (cut - 1) // model.layers_per_block + 1
 
 
 def _check_model(model) -> None:
-    if not isinstance(model, _MODELS):
-        raise TypeError(f"expected one of {[m.__name__ for m in _MODELS]}, got {type(model).__name__}")
+    if not hasattr(type(model), "depth_state"):
+        raise TypeError(f"expected one of {list(_MODEL_NAMES)}, got {type(model).__name__}")
 
 
 def _check_cut(model, cut: int) -> None:
@@ -361,7 +363,7 @@ class StageModule(nn.Module):
                 )
             tensors = [*(self._handoff.take(plan.index) if plan.kept_in else ()), *inputs]
             like, state = tensors[0], unpack_boundary(model, plan.start, tensors)
-        kwargs = {} if isinstance(model, StandardTransformer) else {"backends": model.backends(like)}
+        kwargs = {} if model.depth_state is None else {"backends": model.backends(like)}
         state = model.run_layers(state, layers=self.layers.values(), **kwargs)
         if plan.last:
             return model.logits(state)
