@@ -1,17 +1,19 @@
 """pytest-benchmark cases of the depth read on a GPU: ``pytest -m cuda --benchmark benchmarks/``
 (part of ``make gpu-bench``; skipped without a CUDA device or without ``--benchmark``).
 
-Forward and forward+backward of every implementation :mod:`gpu` (``benchmarks/gpu.py``) knows
-(ours, the eager and compiled reference, the peers that are installed), on a few bf16 shapes.
+Forward and forward+backward of every implementation the GPU benchmark's depth-read section
+(``benchmarks/gpu/reads.py``) knows (ours, the eager and compiled reference, the peers that are
+installed), on a few bf16 shapes.
 pytest-benchmark times each call plus a ``torch.cuda.synchronize()``; ``extra_info`` adds
 ``triton.testing.do_bench``'s median (L2 flushed, no host overhead) and the achieved GB/s over the
 I/O floor. An implementation that cannot run a case is skipped with its reason. The full report
-with accuracy checks and ratios is ``python benchmarks/gpu.py``.
+with accuracy checks and ratios is ``python -m benchmarks.gpu``.
 """
 
 import pytest
 import torch
-from gpu import reads as gpu  # the depth-read section of benchmarks/gpu/ (its Env and Skip included)
+from gpu.environment import Env, Skip
+from gpu.reads import IMPLS, ReadCase, fresh_leaves, make_inputs
 
 pytestmark = [
     pytest.mark.benchmark_suite,
@@ -20,15 +22,15 @@ pytestmark = [
 ]
 
 CASES = [
-    gpu.ReadCase(9, 4, 2048, 1024, 1, torch.bfloat16),
-    gpu.ReadCase(33, 4, 2048, 1024, 1, torch.bfloat16),
-    gpu.ReadCase(17, 4, 2048, 4096, 1, torch.bfloat16),
-    gpu.ReadCase(8, 4, 2048, 2048, 4, torch.bfloat16),
+    ReadCase(9, 4, 2048, 1024, 1, torch.bfloat16),
+    ReadCase(33, 4, 2048, 1024, 1, torch.bfloat16),
+    ReadCase(17, 4, 2048, 4096, 1, torch.bfloat16),
+    ReadCase(8, 4, 2048, 2048, 4, torch.bfloat16),
 ]
 
 
 def _env():
-    return gpu.Env(torch.device("cuda"), dry_run=False, rep_ms=100, compile_backend="inductor")
+    return Env(torch.device("cuda"), dry_run=False, rep_ms=100, compile_backend="inductor")
 
 
 def _synchronized(fn):
@@ -41,15 +43,15 @@ def _synchronized(fn):
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd_bwd"])
 @pytest.mark.parametrize("case", CASES, ids=[c.label.replace(" ", "-") for c in CASES])
-@pytest.mark.parametrize("impl", gpu.IMPLS, ids=[i.name for i in gpu.IMPLS])
+@pytest.mark.parametrize("impl", IMPLS, ids=[i.name for i in IMPLS])
 def test_depth_read(benchmark, impl, case, backward):
     env = _env()
     try:
         read = impl.make(case, env)
-    except gpu.Skip as exc:
+    except Skip as exc:
         pytest.skip(str(exc))
-    sources, w, gamma, grad_out = gpu.make_inputs(case, env.device)
-    leaves = gpu._leaves(sources, w, gamma)
+    sources, w, gamma, grad_out = make_inputs(case, env.device)
+    leaves = fresh_leaves(sources, w, gamma)
     if backward:
 
         def fn():

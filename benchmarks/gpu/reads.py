@@ -197,7 +197,8 @@ PEERS = {impl.name: impl.make.__doc__ for impl in IMPLS if impl.kind == "peer"}
 # ---------------------------------------------------------------- accuracy
 
 
-def _leaves(sources, w, gamma):
+def fresh_leaves(sources, w, gamma):
+    """Copies of a read's inputs as new leaf tensors that require grad."""
     return (
         [s.detach().clone().requires_grad_() for s in sources],
         w.detach().clone().requires_grad_(),
@@ -209,7 +210,7 @@ def run_with_grads(read: Callable, sources, w, gamma, grad_out, dtype=None):
     """Output and gradients (sources concatenated, w, γ) of one read, inputs cast to ``dtype``."""
     if dtype is not None:
         sources, w, gamma, grad_out = [s.to(dtype) for s in sources], w.to(dtype), gamma.to(dtype), grad_out.to(dtype)
-    sources, w, gamma = _leaves(sources, w, gamma)
+    sources, w, gamma = fresh_leaves(sources, w, gamma)
     out = read(sources, w, gamma)
     leaves = [*sources, w, gamma]
     grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype), allow_unused=True)
@@ -311,7 +312,7 @@ def bench_case(case: ReadCase, env: Env, impls: list) -> tuple:
         try:
             read = impl.make(case, env)
             row.record_accuracy(check_accuracy(read, case, inputs, oracle, same_precision))
-            leaves = _leaves(sources, w, gamma)
+            leaves = fresh_leaves(sources, w, gamma)
 
             def fwd_bwd():
                 out = read(*leaves)
