@@ -5,6 +5,8 @@ Run by ``tests/distributed/test_distributed.py`` in two ways: its ``spawn_worker
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/distributed/distributed_script.py --out DIR
 
+from the repository root, with it on ``PYTHONPATH`` (the script imports ``tests.support``).
+
 Each rank runs the DDP and FSDP2 checks on its half of one batch and saves what it saw —
 losses, step-1 gradients and parameters after two SGD steps, gathered to full tensors —
 and the pipeline checks (``PIPELINES``: PyTorch's ``ScheduleGPipe``, ``Schedule1F1B``
@@ -30,18 +32,15 @@ import torch.nn.functional as F
 
 import attnres_kernels as ak
 from attnres_kernels.train import exit_process
+from tests.support import model_variants
 
 VOCAB, D, HEADS, LAYERS = 23, 16, 2, 4
 BATCH, SEQ, MICRO_BATCHES, STEPS, LR = 4, 6, 4, 2, 0.5
 PIPE_LAYERS = 8  # the pipeline cases: enough legal cuts for 4 stages
 TIMEOUT = timedelta(seconds=60)  # every collective, send and recv fails after this instead of hanging
 
-CASES = {
-    "Standard": ("StandardTransformer", {}),
-    "Full": ("FullAttnResTransformer", {"chunk_size": 4}),
-    "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
-    "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
-}
+# The models of tests.support.model_variants, Full only chunked (4 sites per multi-query read).
+CASES = {name: case for name, case in model_variants(chunk_size=4).items() if name != "Full"}
 MODES = ("ddp", "fsdp2", "pipeline")
 
 # The pipeline models (PIPE_LAYERS layers): Full with every chunk size (1 .. 2L+1 sites).
