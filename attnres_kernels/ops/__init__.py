@@ -5,7 +5,12 @@
 - :mod:`.block_step`: the fused Block residual step, :func:`block_step`;
 - :mod:`._dispatch`: backend names and selection (see its docstring for the rules);
 - :mod:`._registration`: fake kernels and autograd shared by the fused backends;
-- :mod:`._sharding`: the fused ops on DTensor arguments (tensor and sequence parallel).
+- :mod:`._sharding`: the fused ops on DTensor arguments (tensor and sequence parallel);
+- :mod:`.internal`: what the models (:mod:`attnres_kernels.nn`) call besides this API.
+
+The fused backends register themselves (:mod:`attnres_kernels._backends`) and this package reaches them
+by name; it imports the C++ extension's module (:mod:`attnres_kernels._native`) only for the shortcut of a
+plain CPU call and the fake kernels of the native ops.
 """
 
 from . import _sharding  # noqa: F401  (DTensor rules of the fused ops: tensor / sequence parallel)
