@@ -30,7 +30,7 @@ from .ops import (
 # (attnres_kernels._backends), on first use.
 _backends.locate("cpu", f"{__name__}._native")
 _backends.locate("cuda", f"{__name__}.cuda")
-_backends.locate("triton", f"{__name__}.triton")
+_backends.locate("triton", f"{__name__}.triton.backend")
 
 
 def _define_triton_ops_where_used() -> None:
@@ -43,7 +43,9 @@ def _define_triton_ops_where_used() -> None:
     from . import triton
 
     if triton.IMPORT_ERROR is None:
-        triton.define_ops()
+        from .triton.backend import define_ops
+
+        define_ops()
 
 
 _define_triton_ops_where_used()

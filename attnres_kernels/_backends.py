@@ -3,7 +3,7 @@
 The op layer (:mod:`attnres_kernels.ops`) picks a backend by name and calls its
 ``torch.library`` ops, but imports none: each backend's package registers a
 :class:`Backend` here when it is imported (``"cpu"``: :mod:`attnres_kernels._native`,
-``"cuda"``: :mod:`attnres_kernels.cuda`, ``"triton"``: :mod:`attnres_kernels.triton`).
+``"cuda"``: :mod:`attnres_kernels.cuda`, ``"triton"``: :mod:`attnres_kernels.triton.backend`).
 The package root names where each lives (:func:`locate`); it is imported on first use,
 so that a backend that cannot run here costs nothing (importing Triton takes about a second).
 
