@@ -3,7 +3,8 @@
 // kernel the launchers can choose, and run on the host (no GPU needed) to print
 // one line per kernel: its name as ptxas reports it (demangled) and the largest
 // dynamic shared memory any launch plan gives it. It also checks that every plan
-// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel
+// over D, Q, the dtype mixes, the output norm and weighted normalised values maps
+// to an instantiated kernel within the shared memory of every sm_80+ GPU
 // (for the depth read and the Block step), and that every attention plan (dtype x
 // Dh x sequence lengths) fits the shared memory of every sm_80+ GPU (the attention
 // kernels: one per dtype, all listed).
@@ -30,11 +31,22 @@ std::map<TileKey, size_t> largest_shared_bytes() {
       for (int itemsize : {2, 4, 8}) {
         if (itemsize == 8 && !acc_double) continue;  // fp64 data accumulates in fp64
         for (bool norm : {false, true}) {
-          for (int64_t d = 1; d <= kMaxDim; ++d) {
-            for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
-              const DepthPlan p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, 132);
-              auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
-              s = std::max(s, p.shared_bytes);
+          for (bool weighted_values : {false, true}) {
+            for (int64_t d = 1; d <= kMaxDim; ++d) {
+              for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
+                DepthPlan p;
+                try {
+                  p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, weighted_values,
+                                      132);
+                } catch (const std::invalid_argument&) {
+                  // Only fp64 math with the output norm and weighted normalised values at the widest rows
+                  // exceeds the shared memory of every sm_80+ GPU: the op refuses those by name.
+                  if (!(acc_double && norm && weighted_values)) throw;
+                  continue;
+                }
+                auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
+                s = std::max(s, p.shared_bytes);
+              }
             }
           }
         }
@@ -198,9 +210,9 @@ int main() {
         emit_step(Pass::kBackward, true, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K>));
     });
   });
-  std::printf("column_sum_kernel<float>\t0\n");
-  std::printf("column_sum_kernel<double>\t0\n");
-  (void)&column_sum_kernel<float>;
-  (void)&column_sum_kernel<double>;
+  std::printf("site_grads_kernel<float>\t0\n");
+  std::printf("site_grads_kernel<double>\t0\n");
+  (void)&site_grads_kernel<float>;
+  (void)&site_grads_kernel<double>;
   return unreachable == 0 && kernels == shared.size() && step_kernels == step_shared.size() ? 0 : 1;
 }
