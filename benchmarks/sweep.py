@@ -36,7 +36,7 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnres_kernels as ak
 from attnres_kernels._validation import PAPER_READ
-from attnres_kernels.ops import depth as depth_ops
+from attnres_kernels.ops.depth_attention import read_unchecked
 
 from common import (
     cpu_description,
@@ -198,7 +198,7 @@ def bench_small_reads():
                 return ak.depth_attention(query, sources, norm_weight, out_norm_weight=g_out, backend="cpu")
 
             def unchecked():
-                return depth_ops.read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
+                return read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
 
             rms_in = torch.randn(*lead, dim, requires_grad=True)
             rms_weight = torch.ones(dim, requires_grad=True)
