@@ -34,7 +34,7 @@
 // every run. As in the depth read, u and g are staged from the parameters
 // themselves (no host-side product per call).
 //
-// Global-memory traffic per row (the harness counts it; tests/test_cuda_block_step.py
+// Global-memory traffic per row (the harness counts it; tests/backends/test_cuda_block_step.py
 // checks it exactly), s_x the element size of tensor x, a = sizeof(acc_t), W = T / 32
 // warps per row team (a per-row scalar every lane loads is one request per warp):
 //   forward   reads   D (s_partial + s_update + s_prefix) + a W (lse_a)

@@ -50,7 +50,7 @@
 // own dtypes and shapes: dquery = scale du ⊙ γ, dγ = scale du ⊙ query (+ dγ_values),
 // summed over the sites for a parameter the sites share.
 //
-// Global-memory traffic (the harness counts it; tests/test_cuda_io.py checks it
+// Global-memory traffic (the harness counts it; tests/backends/test_cuda_io.py checks it
 // exactly). Per row, with Q <= QT (one site tile), s_i / s_a / s_o the element
 // sizes of source i, the merge prefix and the output, a = sizeof(acc_t), and W =
 // T / 32 warps per row team (a per-row scalar every lane loads is one request

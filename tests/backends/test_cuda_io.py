@@ -20,7 +20,6 @@ from attnres_kernels import reference
 from attnres_kernels.cuda import emulation
 from tests.support import site_params
 
-
 pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 

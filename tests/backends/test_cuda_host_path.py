@@ -10,17 +10,12 @@ import pytest
 import torch
 
 from attnres_kernels._validation import ReadOptions
-from attnres_kernels.cuda import emulation
 
 # What the ops may call besides launching: allocations, and the [M, D] row views the shared checks make.
 ALLOWED = {"aten::empty", "aten::reshape", "aten::view"}
 
 
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    assert emulation.load() is None
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def _calls_inside(fn, op_prefix="attnres_emu::"):

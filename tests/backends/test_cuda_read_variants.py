@@ -4,26 +4,18 @@ R: the keys are the last R columns, RMS-normalised over those R), in the depth r
 multi-query, the merge, the fused output norm) and in the Block step, forward and every gradient.
 Against the reference at the same precision and an fp64 oracle (FlashAttention's rule) and by fp64
 gradcheck through the kernel code; odd D and R, several leading dims, strided and transposed sources,
-mixed dtypes. The global-memory traffic of the variants is in tests/test_cuda_io.py."""
+mixed dtypes. The global-memory traffic of the variants is in tests/backends/test_cuda_io.py."""
 
 import pytest
 import torch
-from test_block_step import make_step, step_with_grads
 
 import attnres_kernels as ak
 from attnres_kernels import reference
 from attnres_kernels.cuda import emulation
+from tests.ops.test_block_step import make_step, step_with_grads
+from tests.support import assert_close_to_oracle, attnres_ops_called, make_sources
 
-from support import assert_close_to_oracle, attnres_ops_called, make_sources
-
-
-@pytest.fixture(autouse=True)
-def _emulate(monkeypatch):
-    monkeypatch.setenv(emulation.ENV, "1")
-    reason = emulation.load()
-    assert reason is None, reason
-    emulation.launch_log()  # drop the launches of earlier tests
-    yield
+pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
 def kernels_run():
