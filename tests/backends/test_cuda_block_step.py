@@ -81,7 +81,7 @@ def test_too_wide_rows_are_refused_clearly():
     with pytest.raises(ak.BackendUnavailableError, match="D <= 4096"):
         ak.block_step(x, x, torch.zeros(d), x, torch.zeros(2), backend="cuda")
     with pytest.raises(ValueError, match="D <= 4096"):
-        torch.ops.attnres_emu.block_step_fwd(x, x, torch.zeros(d), None, x, torch.zeros(2), None, 1e-6)
+        torch.ops.attnres_emu.block_step_fwd(x, x, torch.zeros(d), None, x, torch.zeros(2), None, 1e-6, None)
 
 
 @pytest.mark.parametrize("has_partial,out_norm", [(True, True), (False, False), (True, False), (False, True)])
@@ -118,13 +118,17 @@ def test_opcheck():
     op = torch.ops.attnres_emu
     for args in _op_samples():
         torch.library.opcheck(op.block_step_fwd.default, args)
-    partial, update, w, g, h_a, lse_a, g_out, eps = [x.detach() if torch.is_tensor(x) else x for x in _op_samples()[0]]
-    new, out, lse, logit, rinv = op.block_step_fwd.default(partial, update, w, g, h_a, lse_a, g_out, eps)
+    partial, update, w, g, h_a, lse_a, g_out, eps, key_rank = [
+        x.detach() if torch.is_tensor(x) else x for x in _op_samples()[0]
+    ]
+    new, out, lse, logit, rinv = op.block_step_fwd.default(partial, update, w, g, h_a, lse_a, g_out, eps, key_rank)
     for grads in (
         (torch.randn_like(new), torch.randn_like(out), torch.randn_like(lse)),
         (None, torch.randn_like(out), None),
     ):
-        torch.library.opcheck(op.block_step_bwd.default, (*grads, new, w, g, h_a, lse_a, g_out, logit, rinv, eps))
+        torch.library.opcheck(
+            op.block_step_bwd.default, (*grads, new, w, g, h_a, lse_a, g_out, logit, rinv, eps, key_rank)
+        )
 
 
 def test_the_emulated_ops_ran_not_the_reference():

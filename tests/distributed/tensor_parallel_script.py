@@ -151,17 +151,19 @@ def run_ops(_case, _idx, _targets):
         }
 
     def read(*t):
-        out, lse, _, _ = depth(list(t[:3]), t[3], t[4], None, None, t[5], 1e-6, 1e-6, 1.0, False, None)
+        out, lse, _, _ = depth(list(t[:3]), t[3], t[4], None, None, t[5], 1e-6, 1e-6, 1.0, False, None, None)
         return out, lse
 
     def merge(*t):
-        prefix_out, prefix_lse, _, _ = depth(list(t[:2]), t[3], t[4], None, None, None, 1e-6, 1e-6, 1.0, False, None)
-        out, lse, _, _ = depth([t[2]], t[3], t[4], prefix_out, prefix_lse, t[5], 1e-6, 1e-6, 1.0, False, None)
+        prefix_out, prefix_lse, _, _ = depth(
+            list(t[:2]), t[3], t[4], None, None, None, 1e-6, 1e-6, 1.0, False, None, None
+        )
+        out, lse, _, _ = depth([t[2]], t[3], t[4], prefix_out, prefix_lse, t[5], 1e-6, 1e-6, 1.0, False, None, None)
         return out, lse
 
     def block_step(*t):
-        prefix_out, prefix_lse, _, _ = depth([t[0]], t[3], t[4], None, None, None, 1e-6, 1e-6, 1.0, False, None)
-        new_partial, out, _, _, _ = step(t[1], t[2], t[3], t[4], prefix_out, prefix_lse, t[5], 1e-6)
+        prefix_out, prefix_lse, _, _ = depth([t[0]], t[3], t[4], None, None, None, 1e-6, 1e-6, 1.0, False, None, None)
+        new_partial, out, _, _, _ = step(t[1], t[2], t[3], t[4], prefix_out, prefix_lse, t[5], 1e-6, None)
         return new_partial, out
 
     params = [query, norm_weight, out_w]

@@ -397,21 +397,67 @@ def test_untested_transformers_version(monkeypatch):
 
 def test_changed_inkling2_code(monkeypatch):
     """A transformers whose Inkling2 read (or layer) differs from the recorded source is refused, even
-    with check_version=False; nothing is patched."""
+    with check_version=False, and nothing is patched; the error says whether the read patch alone
+    (fuse_norms=False) still applies, and when it does, fuse_norms=False patches the reads."""
     model = transformers.Inkling2TextModel(text_config())
 
     def other_forward(self, block_states, partial_block_states):
         return (partial_block_states,)
 
     monkeypatch.setattr(hf_inkling2.Inkling2BlockAttentionResidual, "forward", other_forward)
-    with pytest.raises(hf.UnsupportedTransformersError, match="Inkling2BlockAttentionResidual changed"):
-        hf.apply_attnres_kernels(model, check_version=False)
+    for fuse_norms in (True, False):
+        with pytest.raises(hf.UnsupportedTransformersError) as error:
+            hf.apply_attnres_kernels(model, check_version=False, fuse_norms=fuse_norms)
+        assert "Inkling2BlockAttentionResidual changed" in str(error.value)
+        assert "the read patch does not apply either" in str(error.value)
     monkeypatch.undo()
     monkeypatch.setitem(inkling2.FINGERPRINTS, "Inkling2FullDecoderLayer", "0" * 64)
-    with pytest.raises(hf.UnsupportedTransformersError, match="Inkling2FullDecoderLayer changed"):
+    with pytest.raises(hf.UnsupportedTransformersError) as error:
         hf.apply_attnres_kernels(model)
+    assert "Inkling2FullDecoderLayer changed" in str(error.value)
+    assert "the read patch alone still applies: apply_attnres_kernels(model, fuse_norms=False)" in str(error.value)
     assert not any(type(m).__name__.startswith("AttnResKernels") for m in model.modules())
     hf.apply_attnres_kernels(model, fuse_norms=False)  # the layers are not patched: their source does not matter
+    reads = [m for m in model.modules() if isinstance(m, hf_inkling2.Inkling2BlockAttentionResidual)]
+    assert reads and all(type(m) is inkling2.AttnResKernelsBlockAttentionResidual for m in reads)
+    assert {type(layer) for layer in model.layers} == {
+        hf_inkling2.Inkling2SlidingDecoderLayer,
+        hf_inkling2.Inkling2FullDecoderLayer,
+    }
+
+
+@pytest.mark.parametrize("fuse_norms", [True, False])
+def test_remove_restores_the_unpatched_model(checkpoint, fuse_norms):
+    """Patch, then remove: every module is again of its transformers class with no attribute of the
+    patch left, the state dict is untouched, and logits and loss equal the unpatched model's bitwise
+    (the same eager code runs). Removing twice is harmless and the model can be patched again."""
+    eager, model = load(checkpoint, False), load(checkpoint, True, fuse_norms=fuse_norms)
+    ids = batch()
+    with torch.no_grad():
+        want = eager(ids, labels=ids)
+        assert (model(ids).logits - want.logits).abs().max() > 0  # patched: other rounding
+    assert hf.remove_attnres_kernels(model) is model
+    assert [(name, type(m)) for name, m in model.named_modules()] == [
+        (name, type(m)) for name, m in eager.named_modules()
+    ]
+    assert not any("attnres_backend" in vars(m) for m in model.modules())
+    sd_e, sd_m = eager.state_dict(), model.state_dict()
+    assert list(sd_e) == list(sd_m) and all(torch.equal(sd_e[k], sd_m[k]) for k in sd_e)
+    assert ops_run(lambda: model(ids)) == []
+    with torch.no_grad():
+        got = model(ids, labels=ids)
+    assert torch.equal(got.logits, want.logits) and torch.equal(got.loss, want.loss)
+    hf.remove_attnres_kernels(model)
+    assert [type(m) for m in model.modules()] == [type(m) for m in eager.modules()]
+    hf.apply_attnres_kernels(model)
+    assert ops_run(lambda: model(ids)).count(FWD_OP) == N_READS
+
+
+def test_remove_needs_an_inkling2_model():
+    with pytest.raises(ValueError, match="no Inkling2BlockAttentionResidual"):
+        hf.remove_attnres_kernels(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    with pytest.raises(TypeError, match="expects a torch.nn.Module"):
+        hf.remove_attnres_kernels(None)
 
 
 def test_unknown_subclass_is_refused():

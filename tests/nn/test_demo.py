@@ -38,6 +38,26 @@ def test_demo_runs_and_writes_its_report(tmp_path, capsys):
     assert json.loads((tmp_path / "results.json").read_text(encoding="utf-8"))["config"]["epochs"] == 2
 
 
+def test_models_train_in_alternation_epoch_by_epoch(tmp_path, monkeypatch):
+    """Every epoch trains each model once before the next epoch starts (turn order reversed every
+    other epoch), so that the printed time ratios compare epochs run in the same stretch of time."""
+    calls = []
+    train_epoch = demo.train_epoch
+
+    def recording_train_epoch(run, *args):
+        calls.append((run.result.name, len(run.result.losses)))
+        train_epoch(run, *args)
+
+    monkeypatch.setattr(demo, "train_epoch", recording_train_epoch)
+    size = ["--d-model", "16", "--heads", "2", "--layers", "2", "--blocks", "1"]
+    summary = demo.run(["--epochs", "3", "--out", str(tmp_path), *size])
+    forward, backward = ["Standard", "Block", "Full"], ["Full", "Block", "Standard"]
+    expected = [(name, epoch) for epoch, order in enumerate([forward, backward, forward]) for name in order]
+    assert calls == expected
+    for result in summary["models"].values():
+        assert len(result["losses"]) == 3 and result["train_seconds"] > 0
+
+
 def test_tokenizer_round_trip_and_batch_targets():
     pairs = demo.load_pairs()
     assert len(pairs) == 50

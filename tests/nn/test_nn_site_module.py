@@ -13,7 +13,7 @@ from tests.support import attnres_ops_called
 def inkling2_site(d, num_queries):
     return ak.nn.DepthAttentionSite(
         d,
-        num_queries=None if num_queries == 1 else num_queries,
+        num_queries=num_queries,
         key_norm_weight=False,
         scale=d**-0.5,
         normalize_values=True,
@@ -32,6 +32,7 @@ def test_inkling2_style_site_equals_transformers_module(num_queries, dtype):
     ours = inkling2_site(d, num_queries)
     with torch.no_grad():
         theirs.query.normal_(0, 1.0)
+    assert ours.query.shape == theirs.query.shape  # [D] for one query, [Q, D] for several
     ours.load_state_dict(theirs.state_dict())  # the same parameter name and shape
     blocks = torch.randn(2, 7, 3, d).to(dtype)
     partial = torch.randn(2, 7, d)  # Inkling2's MLP-input reads get the fp32 partial sum
@@ -94,7 +95,12 @@ def test_several_queries_return_one_output_each_and_weights():
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [(dict(num_queries=0), "num_queries"), (dict(scale=float("nan")), "scale"), (dict(backend="gpu"), "backend")],
+    [
+        (dict(num_queries=0), "num_queries"),
+        (dict(num_queries=None), "num_queries"),
+        (dict(scale=float("nan")), "scale"),
+        (dict(backend="gpu"), "backend"),
+    ],
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -322,10 +322,10 @@ def _op_samples(d=6, lead=(3, 2)):
     lse_a, w, g, g_out = mk(*lead), mk(d), torch.rand(d, requires_grad=True), torch.rand(d, requires_grad=True)
     bf16 = lambda t: t.detach().to(torch.bfloat16).requires_grad_()
     return [
-        (partial, update, w, g, h_a, lse_a, g_out, 1e-6),
+        (partial, update, w, g, h_a, lse_a, g_out, 1e-6, None),
         (None, update, w, None, h_a, lse_a, None, 1e-5),
-        (bf16(partial), bf16(update), w, g, h_a, lse_a, g_out, 1e-6),
-        (partial.detach(), update.detach(), w.detach(), None, h_a.detach(), lse_a.detach(), g_out.detach(), 1e-6),
+        (bf16(partial), bf16(update), w, g, h_a, lse_a, g_out, 1e-6, None),
+        (partial.detach(), update.detach(), w.detach(), None, h_a.detach(), lse_a.detach(), g_out.detach(), 1e-6, None),
     ]
 
 
@@ -335,13 +335,17 @@ def test_opcheck(backend):
     for args in _op_samples():
         torch.library.opcheck(ns.block_step_fwd.default, args)
     # The backward op alone (schema, fake kernel, no autograd of its own).
-    partial, update, w, g, h_a, lse_a, g_out, eps = [x.detach() if torch.is_tensor(x) else x for x in _op_samples()[0]]
-    new, out, lse, logit, rinv = ns.block_step_fwd.default(partial, update, w, g, h_a, lse_a, g_out, eps)
+    partial, update, w, g, h_a, lse_a, g_out, eps, key_rank = [
+        x.detach() if torch.is_tensor(x) else x for x in _op_samples()[0]
+    ]
+    new, out, lse, logit, rinv = ns.block_step_fwd.default(partial, update, w, g, h_a, lse_a, g_out, eps, key_rank)
     for grads in (
         (torch.randn_like(new), torch.randn_like(out), torch.randn_like(lse)),
         (None, torch.randn_like(out), None),
     ):
-        torch.library.opcheck(ns.block_step_bwd.default, (*grads, new, w, g, h_a, lse_a, g_out, logit, rinv, eps))
+        torch.library.opcheck(
+            ns.block_step_bwd.default, (*grads, new, w, g, h_a, lse_a, g_out, logit, rinv, eps, key_rank)
+        )
 
 
 @pytest.mark.parametrize("backend", FUSED)
@@ -512,8 +516,8 @@ def test_native_op_checks_its_arguments():
     x, lse, w = torch.randn(2, 3, 8), torch.randn(2, 3), torch.randn(8)
     op = torch.ops.attnres.block_step_fwd.default
     with pytest.raises(RuntimeError, match="prefix_lse"):
-        op(x, x, w, None, x, lse.double(), None, 1e-6)
+        op(x, x, w, None, x, lse.double(), None, 1e-6, None)
     with pytest.raises(RuntimeError, match="partial"):
-        op(x[:1], x, w, None, x, lse, None, 1e-6)
+        op(x[:1], x, w, None, x, lse, None, 1e-6, None)
     with pytest.raises(RuntimeError, match="query"):
-        op(x, x, torch.randn(2, 8), None, x, lse, None, 1e-6)
+        op(x, x, torch.randn(2, 8), None, x, lse, None, 1e-6, None)
