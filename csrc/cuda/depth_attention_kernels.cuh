@@ -33,7 +33,9 @@
 // r_i v, times the key-norm weight γ_q when one is given) into its QT accumulators.
 //
 // Backward (fixed-order, no atomics): a team owns a fixed chunk of rows (the
-// chunking depends on M only). Per row, pass A: with the output norm it
+// chunking depends on M only). Per row, the sources are read in pass A and again
+// in pass B, from global memory or, where they fit (plan_source_cache), from a
+// copy of the row's sources in shared memory made once. Pass A: with the output norm it
 // recomputes h_q = Σ α_qi x_qi (+ α_a h_a) in registers (x_qi the values), goes
 // back through the norm to do_q and forms δ_q = <do_q, h_q>; without it, δ_q =
 // Σ_i α_qi <do_q, x_qi> (as the reference's softmax backward does). Pass B: per
@@ -59,9 +61,11 @@
 //                     + [merge] Q D s_a + Q a W
 //             writes  Q D s_o                          each output element once
 //                     + Q a (lse) + Q N a (logits) + N a (rinv)
-//   backward  reads   2 Σ_i D s_i                      the floor of this schema: δ_q = <do_q, h_q>
-//                                                      needs every source before any dv_i can be
-//                                                      written, and dv_i needs v_i again
+//   backward  reads   Σ_i D s_i                        with the source cache (fp32 math, when the
+//                                                      row's sources fit in shared memory): each
+//                                                      source element once, the floor; else
+//                     2 Σ_i D s_i                      δ_q = <do_q, h_q> needs every source before
+//                                                      any dv_i can be written, and dv_i needs v_i again
 //                     + Q D s_o (dy) + [merge] Q D s_a
 //                     + (4 Q N + N + Q N + Q [+ Q merge]) a W   logits (softmax max and sum,
 //                                                      passes A and B), rinv, dlogits, dlse, lse_a
@@ -182,8 +186,9 @@ struct BwdParams {
   acc_t out_eps;  // the output norm's (the key norm's is in the saved rinv)
   bool normalize_values;
   bool vec;
-  bool part_vec;    // vec, and the key columns start at a group boundary: vector stores of du
-  bool accumulate;  // add to the source gradients (site tiles after the first)
+  bool part_vec;        // vec, and the key columns start at a group boundary: vector stores of du
+  bool accumulate;      // add to the source gradients (site tiles after the first)
+  int32_t cache_words;  // per team, the source cache's 32-bit words (DepthPlan::cache_words)
 };
 
 // The kernel parameters stay within the 4 KiB every CUDA version takes.
@@ -261,6 +266,7 @@ struct DepthPlan {
   int64_t grid_x = 0;
   int64_t rows_per_chunk = 0, num_chunks = 0;  // backward
   size_t shared_bytes = 0;
+  int64_t cache_words = 0;  // backward: 32-bit words per team of the source cache; 0 without one
 };
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -326,6 +332,31 @@ inline DepthPlan plan_depth_attn(Pass pass, int64_t M, int64_t D, int64_t Q, int
     plan.grid_x = ceil_div(plan.num_chunks, plan.teams);
   }
   return plan;
+}
+
+// Shared memory of one SM of the smallest sm_80+ GPU that has the most (A100: 164 KiB).
+constexpr int64_t kSharedBytesPerSM = 164 * 1024;
+
+// The backward's source cache: the raw bits of a row's sources kept in shared memory
+// (the team's threads' groups, thread-minor) so that both passes decode them from
+// there and the sources cross HBM once, the floor. `itemsizes`: each source's element
+// size. fp32 math only (the fp64 kernels have no registers to spare); taken when the
+// cache and du (then in shared memory) fit beside the staged arrays within
+// kMaxSharedBytes and do not lower the blocks per SM the registers allow (128 per
+// thread: 65536 / (128 T teams)).
+inline void plan_source_cache(DepthPlan& plan, bool acc_double, const int* itemsizes, int num_sources) {
+  if (acc_double) return;
+  int64_t words = 0;
+  for (int i = 0; i < num_sources; ++i) {
+    words += int64_t(plan.groups_per_thread) * (plan.group * itemsizes[i] / 4) * plan.threads;
+  }
+  const int64_t du_bytes =
+      int64_t(plan.teams) * plan.site_tile * plan.groups_per_thread * plan.group * plan.threads * 4;
+  const int64_t shared = int64_t(plan.shared_bytes) + du_bytes + int64_t(plan.teams) * words * 4;
+  const int64_t blocks_by_registers = std::max<int64_t>(1, 65536 / (128 * int64_t(plan.threads) * plan.teams));
+  if (shared > kMaxSharedBytes || shared * blocks_by_registers > kSharedBytesPerSM) return;
+  plan.cache_words = words;
+  plan.shared_bytes = static_cast<size_t>(shared);
 }
 
 // ------------------------------------------------------------------ row tiles
@@ -543,6 +574,41 @@ __device__ __forceinline__ void store_row(void* row, int32_t dtype, int64_t D, b
     }
     store_group(p, size, vec, D - d0, raw);
   }
+}
+
+// The backward's source cache: cache_row copies the raw bits of this thread's groups of
+// a row into `cache` ([K][words][T] words, words = G * size / 4: thread-minor,
+// conflict-free, each thread touching only its own slots), load_cached_row decodes
+// them like load_row. Both return the words the row takes.
+template <int G, int K, typename acc_t>
+__device__ __forceinline__ int cache_row(const void* row, int32_t dtype, int64_t D, bool vec, uint32_t* cache) {
+  const int size = dtype_size(dtype), words = G * size / 4;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t d0 = group_start<G>(k);
+    RawGroup<G, acc_t> raw;
+    load_group(static_cast<const char*>(row) + d0 * size, size, vec, D - d0, raw);
+#pragma unroll
+    for (int w = 0; w < RawGroup<G, acc_t>::kWords; ++w) {
+      if (w < words) cache[(k * words + w) * blockDim.x + threadIdx.x] = raw.w[w];
+    }
+  }
+  return K * words * blockDim.x;
+}
+
+template <int G, int K, typename acc_t>
+__device__ __forceinline__ int load_cached_row(int32_t dtype, const uint32_t* cache, acc_t (&x)[K][G]) {
+  const int words = G * dtype_size(dtype) / 4;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    RawGroup<G, acc_t> raw;
+#pragma unroll
+    for (int w = 0; w < RawGroup<G, acc_t>::kWords; ++w) {
+      raw.w[w] = w < words ? cache[(k * words + w) * blockDim.x + threadIdx.x] : 0u;
+    }
+    decode(raw, dtype, x[k]);
+  }
+  return K * words * blockDim.x;
 }
 
 // Element i of an array of `dtype` (any of the four: a site parameter may differ
@@ -833,8 +899,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(const __
 // ------------------------------------------------------------------ backward
 
 // kNorm (the fused output norm) is a template parameter: the two variants of
-// pass A together would not fit the register budget.
-template <typename acc_t, int G, int K, int QT, bool kNorm>
+// pass A together would not fit the register budget. So is kCache, the source
+// cache (DepthPlan::cache_words): with it du lives in shared memory, its registers
+// going to the cache's addressing.
+template <typename acc_t, int G, int K, int QT, bool kNorm, bool kCache>
 __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __grid_constant__ BwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const int N = a.num_sources, Q = a.num_sites;
@@ -857,6 +925,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
   const SiteTile<acc_t, G, K, QT> dvw{weighted_values ? next_array() : nullptr};  // its gradient, Σ over rows
   // h'_q = Σ_i α_qi r_i v_i of the row, between pass A's sums and its dγ_values (output norm only).
   const SiteTile<acc_t, G, K, QT> hs{has_norm && weighted_values ? next_array() : nullptr};
+  const SiteTile<acc_t, G, K, QT> du_shared{kCache ? next_array() : nullptr};
+  if constexpr (kCache) du_shared.zero();
   u.stage(a.query, a.norm_weight, a.scale, q0, nq, a.key_start, D);
   if constexpr (has_norm) {
     g.stage(a.out_norm_weight, q0, nq, D);
@@ -867,10 +937,23 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
     dvw.zero();
   }
   TeamReducer<acc_t> reducer{smem + arrays * blockDim.y * tile, 5 * QT};
+  const int warps = blockDim.x / kWarpSize;
+  uint32_t* const cache =
+      reinterpret_cast<uint32_t*>(reducer.scratch + (warps > 1 ? 2 * warps * 5 * QT : 0)) + threadIdx.y * a.cache_words;
 
-  acc_t du[QT][K][G];
+  // du = Σ ds r t over the chunk's rows: in registers, or in shared memory beside the cache.
+  acc_t du_registers[kCache ? 1 : QT][K][G];
+  if constexpr (!kCache) {
 #pragma unroll
-  for (int q = 0; q < QT; ++q) fill(du[q], acc_t(0));
+    for (int q = 0; q < QT; ++q) fill(du_registers[q], acc_t(0));
+  }
+  auto du = [&](int q, int k, int e) -> acc_t& {
+    if constexpr (kCache) {
+      return du_shared.at(q, k, e);
+    } else {
+      return du_registers[q][k][e];
+    }
+  };
   const int64_t row_end = imin(M, (chunk + 1) * a.rows_per_chunk);
   for (int64_t p = chunk * a.rows_per_chunk; p < row_end; ++p) {
     // Softmax of the saved logits: α_qi = e^{s_qi - top_q} · inv_q (and α_a for the prefix).
@@ -897,9 +980,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
     auto alpha = [&](int q, int i) {
       return dev_exp(load_uniform(a.logits + (int64_t(q0 + q) * N + i) * M + p) - top[q]) * inv[q];
     };
+    // With the cache, the row's sources are copied into it first (their only read from
+    // global memory) and both passes decode them from there; `offset` walks it in source order.
+    int offset = 0;
+    if constexpr (kCache) {
+      for (int i = 0; i < N; ++i) {
+        const SourceRef src = a.sources.ref[i];
+        offset += cache_row<G, K, acc_t>(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec,
+                                         cache + offset);
+      }
+      offset = 0;
+    }
     auto load_source = [&](int i, acc_t(&v)[K][G]) {
       const SourceRef src = a.sources.ref[i];
-      load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+      if constexpr (kCache) {
+        offset += load_cached_row(src.dtype, cache + offset, v);
+      } else {
+        load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+      }
     };
 
     // do_q starts as dy_q.
@@ -1063,6 +1161,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
     }
 
     // Pass B: per source, dp_qi = <do_q, x_qi>, then dv_i and du.
+    offset = 0;
     for (int i = 0; i < N; ++i) {
       acc_t v[K][G];
       load_source(i, v);
@@ -1105,7 +1204,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
 #pragma unroll
         for (int k = 0; k < K; ++k)
 #pragma unroll
-          for (int e = 0; e < G; ++e) du[q][k][e] += c1[q] * v[k][e];
+          for (int e = 0; e < G; ++e) du(q, k, e) += c1[q] * v[k][e];
       // v becomes dv_i in place.
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -1128,8 +1227,12 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __
   for (int q = 0; q < QT; ++q) {
     if (q >= nq) continue;
     const int64_t prow = chunk * Q + q0 + q;
-    store_acc_row(a.du_part + prow * (D - a.key_start), a.key_start, D, a.part_vec, du[q]);
     acc_t row[K][G];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int e = 0; e < G; ++e) row[k][e] = du(q, k, e);
+    store_acc_row(a.du_part + prow * (D - a.key_start), a.key_start, D, a.part_vec, row);
     if constexpr (has_norm) {
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -1253,12 +1356,19 @@ void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> 
     for_each_tile([&](auto G, auto K, auto QT) {
       if constexpr (tile_fits(Pass::kBackward, kDouble, G, K, QT)) {
         if (plan.group == G && plan.groups_per_thread == K && plan.site_tile == QT) {
-          const std::string name = tile_name("depth_attn_bwd", kDouble, G, K, QT) + (norm ? "[norm]" : "");
+          const bool cache = plan.cache_words > 0;
+          const std::string name =
+              tile_name("depth_attn_bwd", kDouble, G, K, QT) + (norm ? "[norm]" : "") + (cache ? "[cache]" : "");
           const dim3 grid(static_cast<unsigned>(plan.grid_x)), block(plan.threads, plan.teams);
-          if (norm) {
-            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, true>, grid, block, plan.shared_bytes, params);
+          auto launch = [&](auto kernel) { rt.launch(name, kernel, grid, block, plan.shared_bytes, params); };
+          if (norm && cache) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, true, !kDouble>);
+          } else if (norm) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, true, false>);
+          } else if (cache) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, false, !kDouble>);
           } else {
-            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, false>, grid, block, plan.shared_bytes, params);
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, false, false>);
           }
           launched = true;
         }

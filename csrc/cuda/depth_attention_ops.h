@@ -296,9 +296,14 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   at::Tensor dh_a = h_a.defined() ? at::empty(h_a.sizes(), h_a.options()) : at::empty({0}, in.rows[0].options());
   at::Tensor dlse_a =
       h_a.defined() ? at::empty(lse_a.sizes(), lse_a.options()) : at::empty({0}, dh_a.options().dtype(acc));
-  const DepthPlan plan = M > 0 ? plan_or_raise(Pass::kBackward, M, D, Q, narrowest_itemsize(in, h_a),
-                                               acc == at::kDouble, has_norm, weighted_values, rt.num_sms())
-                               : DepthPlan{};
+  DepthPlan plan = M > 0 ? plan_or_raise(Pass::kBackward, M, D, Q, narrowest_itemsize(in, h_a), acc == at::kDouble,
+                                         has_norm, weighted_values, rt.num_sms())
+                         : DepthPlan{};
+  if (M > 0) {
+    std::vector<int> itemsizes;
+    for (const at::Tensor& r : in.rows) itemsizes.push_back(static_cast<int>(r.element_size()));
+    plan_source_cache(plan, acc == at::kDouble, itemsizes.data(), static_cast<int>(N));
+  }
   const Partials parts =
       partial_sums(plan.num_chunks, Q, R, D, has_norm, weighted_values, in.rows[0].options().dtype(acc));
   const SiteOperand w = site_operand(query, acc), gamma = site_operand(norm_weight, acc),
@@ -362,6 +367,7 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
     p.normalize_values = options.normalize_values;
     p.vec = vec;
     p.part_vec = vec && p.key_start % plan.group == 0;
+    p.cache_words = static_cast<int32_t>(plan.cache_words);
     SiteGradParams<acc_t> s{};
     s.du_part = p.du_part;
     s.dg_part = p.dg_part;

@@ -4,8 +4,9 @@ Every global-memory access of a launch is attributed to the buffer it touches
 (anything else is "untracked", which must stay 0). The forward must read each
 source element once and write each output element once, plus O(N) per-row
 scalars; the backward must move what the kernel header's formula claims
-(csrc/cuda/depth_attention_kernels.cuh): two reads of the sources, one write of
-their gradients, the site parameters once per team, one partial per row chunk,
+(csrc/cuda/depth_attention_kernels.cuh): one read of the sources where the
+row's sources fit in shared memory (the source cache, fp32 math), else two; one
+write of their gradients, the site parameters once per team, one partial per row chunk,
 and site_grads_kernel reading each partial once and writing each parameter
 gradient once. The source table travels in the kernel parameters (no global
 reads). Scalars every lane of a warp loads from one address count once per warp
@@ -131,21 +132,24 @@ def test_forward_reads_each_source_once_and_writes_each_output_once(dtypes, d, q
 
 
 @pytest.mark.parametrize(
-    "dtypes,d,q,out_norm,prefix_dtype",
+    "dtypes,d,q,out_norm,prefix_dtype,cached",
     [
-        ((torch.float32, torch.bfloat16, torch.float16), 64, None, True, torch.bfloat16),
-        ((torch.float32,) * 3, 100, 2, False, None),
-        ((torch.bfloat16, torch.float32), 37, None, True, None),
+        ((torch.float32, torch.bfloat16, torch.float16), 64, None, True, torch.bfloat16, True),
+        ((torch.float32,) * 3, 100, 2, False, None, True),
+        ((torch.bfloat16, torch.float32), 37, None, True, None, True),
+        ((torch.float32,) * 3, 4096, None, True, None, False),  # 3 x 16 KiB rows: no room for the cache
+        ((torch.float64, torch.float32), 40, None, False, None, False),  # fp64 math: no cache
     ],
 )
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype, variant):
+def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype, cached, variant):
     m, n = 40, len(dtypes)  # 40 rows: three row chunks of 16
     sources = [torch.randn(5, 8, d).to(dt) for dt in dtypes]
     _, launches, out, prefix, params, rank = run_read(sources, q, out_norm, prefix_dtype, variant)
     bwd = [x for x in launches if x.kernel.startswith("depth_attn_bwd")]
     assert len(bwd) == 1, "one site tile"
     (bwd,) = bwd
+    assert bwd.kernel.endswith("[cache]") == cached, bwd.kernel
     (site_grads,) = [x for x in launches if x is not bwd]
     assert site_grads.kernel.startswith("site_grads<")
     nq = 1 if q is None else q
@@ -160,7 +164,8 @@ def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype
     per_row_scalars += nq  # dlse
     per_row_scalars += nq if prefix else 0  # prefix lse
     expected_reads = {
-        "sources": 2 * sum(nbytes(s) for s in sources),  # pass A (h) and pass B (dv): the floor of this schema
+        # Once into the cache, else in pass A (h) and again in pass B (dv).
+        "sources": (1 if cached else 2) * sum(nbytes(s) for s in sources),
         "dy": nbytes(out),
         "prefix_out": nbytes(prefix[0]) if prefix else 0,
         "logits": 4 * nq * n * m * acc * w,
@@ -206,7 +211,8 @@ def test_backward_moves_the_claimed_minimum(dtypes, d, q, out_norm, prefix_dtype
 def test_more_sites_than_a_tile_take_one_pass_each():
     """Q = 3 sites at D = 4096: one site per tile. The forward tiles run side by side
     (grid.y), each reading the sources; the backward's tiles run one after another,
-    the later ones adding to the source gradients (read and written again)."""
+    each reading the sources once (into its source cache), the later ones adding to the
+    source gradients (read and written again)."""
     sources = [torch.randn(2, 4096) for _ in range(2)]
     fwd_launches, bwd_launches, *_ = run_read(sources, 3, False)
     (fwd,) = fwd_launches
@@ -215,6 +221,7 @@ def test_more_sites_than_a_tile_take_one_pass_each():
     assert fwd.read("sources") == 3 * src
     bwd = [x for x in bwd_launches if x.kernel.startswith("depth_attn_bwd")]
     assert len(bwd) == 3
-    assert [x.read("sources") for x in bwd] == [2 * src] * 3
+    assert all(x.kernel.endswith("[cache]") for x in bwd), "two 16 KiB rows fit the source cache"
+    assert [x.read("sources") for x in bwd] == [src] * 3
     assert [x.read("grad_sources") for x in bwd] == [0, src, src]
     assert [x.written("grad_sources") for x in bwd] == [src] * 3

@@ -211,7 +211,7 @@ def test_the_fused_kernels_ran(variant):
 
 
 def test_auto_resolution_takes_the_cuda_kernels_for_the_variants():
-    from attnres_kernels.ops.depth import resolve_backend
+    from attnres_kernels.ops.depth_attention import resolve_backend
 
     options = ak._validation.check_read_options(1e-6, key_rank=4)
     assert resolve_backend("cuda", torch.device("cpu"), 16, torch.float32, options) == "cuda"

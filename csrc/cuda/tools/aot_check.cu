@@ -13,6 +13,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../attention_kernels.cuh"
 #include "../block_step_kernels.cuh"
@@ -22,7 +23,7 @@ using namespace attnres::cuda;
 
 namespace {
 
-using TileKey = std::tuple<int, bool, int, int, int>;  // pass, acc_double, G, K, QT
+using TileKey = std::tuple<int, bool, int, int, int, bool>;  // pass, acc_double, G, K, QT, source cache
 
 std::map<TileKey, size_t> largest_shared_bytes() {
   std::map<TileKey, size_t> shared;
@@ -44,8 +45,18 @@ std::map<TileKey, size_t> largest_shared_bytes() {
                   if (!(acc_double && norm && weighted_values)) throw;
                   continue;
                 }
-                auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
+                auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile, false}];
                 s = std::max(s, p.shared_bytes);
+                // The backward's source cache, for N sources of this element size.
+                for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128}) {
+                  if (pass == 0 || itemsize == 8) break;
+                  DepthPlan cached = p;
+                  const std::vector<int> itemsizes(n, itemsize);
+                  plan_source_cache(cached, acc_double, itemsizes.data(), n);
+                  if (cached.cache_words == 0) continue;
+                  auto& c = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile, true}];
+                  c = std::max(c, cached.shared_bytes);
+                }
               }
             }
           }
@@ -125,38 +136,45 @@ int main() {
     return 1;
   }
   size_t kernels = 0, unreachable = 0;
-  // The backward comes with and without the fused output norm (its last template argument).
-  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, const void* /*kernel*/) {
+  // The backward comes with and without the fused output norm and the source cache (its last
+  // two template arguments).
+  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, bool cache, const void* /*kernel*/) {
     std::string name =
         kernel_name(pass == Pass::kForward ? "depth_attn_fwd_kernel" : "depth_attn_bwd_kernel", acc_double, G, K, QT);
-    if (pass == Pass::kBackward) name.insert(name.size() - 1, norm ? ", true" : ", false");
-    const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT});
+    if (pass == Pass::kBackward) {
+      name.insert(name.size() - 1, std::string(norm ? ", true" : ", false") + (cache ? ", true" : ", false"));
+    }
+    const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT, cache});
     if (it == shared.end()) {
       std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
       ++unreachable;
       return;
     }
     std::printf("%s\t%zu\n", name.c_str(), it->second);
-    kernels += pass == Pass::kForward || norm;  // one plan key for both backward variants
+    kernels += pass == Pass::kForward || norm;  // one plan key for both output-norm variants
   };
   for_each_tile([&](auto G, auto K, auto QT) {
     if constexpr (tile_fits(Pass::kForward, false, G, K, QT))
-      emit(Pass::kForward, false, G, K, QT, false,
+      emit(Pass::kForward, false, G, K, QT, false, false,
            reinterpret_cast<const void*>(&depth_attn_fwd_kernel<float, G, K, QT>));
     if constexpr (tile_fits(Pass::kForward, true, G, K, QT))
-      emit(Pass::kForward, true, G, K, QT, false,
+      emit(Pass::kForward, true, G, K, QT, false, false,
            reinterpret_cast<const void*>(&depth_attn_fwd_kernel<double, G, K, QT>));
     if constexpr (tile_fits(Pass::kBackward, false, G, K, QT)) {
-      emit(Pass::kBackward, false, G, K, QT, false,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false>));
-      emit(Pass::kBackward, false, G, K, QT, true,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true>));
+      emit(Pass::kBackward, false, G, K, QT, false, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false, false>));
+      emit(Pass::kBackward, false, G, K, QT, true, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true, false>));
+      emit(Pass::kBackward, false, G, K, QT, false, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false, true>));
+      emit(Pass::kBackward, false, G, K, QT, true, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true, true>));
     }
     if constexpr (tile_fits(Pass::kBackward, true, G, K, QT)) {
-      emit(Pass::kBackward, true, G, K, QT, false,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false>));
-      emit(Pass::kBackward, true, G, K, QT, true,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
+      emit(Pass::kBackward, true, G, K, QT, false, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false, false>));
+      emit(Pass::kBackward, true, G, K, QT, true, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true, false>));
     }
   });
   std::map<std::string, size_t> attention;
