@@ -39,6 +39,7 @@ struct CudaRuntime {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   int num_sms() const { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+  size_t max_shared_bytes() const { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
 
   void track(const char*, const at::Tensor&) {}
   void track(const char*, const void*, size_t) {}
