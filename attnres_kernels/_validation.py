@@ -44,7 +44,11 @@ class ReadOptions(NamedTuple):
       ``r_i v_i`` (times the key-norm weight when one is given; Inkling2)
       instead of the raw ``v_i`` (paper);
     - ``out_dtype``: the output dtype, or None for the promotion of the sources'
-      (and a merge prefix's) dtypes.
+      (and a merge prefix's) dtypes;
+    - ``key_rank``: sliced low-rank keys (LR-AttnRes): the key of each source is its
+      last R coordinates, RMS-normalised over those R, so ``query`` and ``norm_weight``
+      have R entries while values and output keep the full width D. None is the
+      ordinary read (R = D; :func:`check_depth_read` turns ``key_rank = D`` into None).
     """
 
     eps: float = 1e-6
@@ -52,13 +56,16 @@ class ReadOptions(NamedTuple):
     scale: float = 1.0
     normalize_values: bool = False
     out_dtype: torch.dtype | None = None
+    key_rank: int | None = None
 
 
 PAPER_READ = ReadOptions()
 
 # The ReadOptions fields as the trailing arguments of an op schema (the C++ side's
 # ATTNRES_READ_OPTIONS_SCHEMA; the Triton ops define their schemas with it).
-READ_OPTIONS_SCHEMA = "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype"
+READ_OPTIONS_SCHEMA = (
+    "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype, int? key_rank"
+)
 
 
 def check_read_options(
@@ -68,14 +75,17 @@ def check_read_options(
     normalize_values: bool = False,
     out_norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    key_rank: int | None = None,
 ) -> ReadOptions:
-    """The :class:`ReadOptions` of a read, checked; ``out_norm_eps`` defaults to ``eps``."""
+    """The :class:`ReadOptions` of a read, checked; ``out_norm_eps`` defaults to ``eps``.
+    ``key_rank`` is checked against the width D by :func:`check_depth_read`."""
     if (
         eps == 1e-6
         and scale == 1.0
         and normalize_values is False
         and out_norm_eps is None
         and out_dtype is None
+        and key_rank is None
         and type(eps) is float
         and type(scale) is float
     ):
@@ -89,8 +99,15 @@ def check_read_options(
         raise TypeError(f"`normalize_values` must be a bool, got {type(normalize_values).__name__}")
     if out_dtype is not None and out_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"`out_dtype` must be one of float16, bfloat16, float32, float64 or None, got {out_dtype!r}")
+    if key_rank is not None and not (isinstance(key_rank, int) and not isinstance(key_rank, bool) and key_rank >= 1):
+        raise ValueError(f"`key_rank` must be a positive int or None, got {key_rank!r}")
     return ReadOptions(
-        float(eps), float(eps if out_norm_eps is None else out_norm_eps), float(scale), normalize_values, out_dtype
+        float(eps),
+        float(eps if out_norm_eps is None else out_norm_eps),
+        float(scale),
+        normalize_values,
+        out_dtype,
+        None if key_rank is None else int(key_rank),
     )
 
 
@@ -157,6 +174,11 @@ class DepthReadArgs:
     @property
     def lead_shape(self) -> torch.Size:
         return self.sources[0].shape[:-1]
+
+    @property
+    def key_dim(self) -> int:
+        """R: the width of the keys, ``query`` and ``norm_weight`` (D unless ``key_rank`` is set)."""
+        return self.options.key_rank or self.sources[0].shape[-1]
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -248,7 +270,7 @@ def _check_sources(sources: tuple) -> None:
             )
 
 
-def _check_param(name: str, t: Tensor, device: torch.device, d: int) -> None:
+def _check_param(name: str, t: Tensor, device: torch.device, d: int, width: str = "D") -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"`{name}` must be a tensor, got {type(t).__name__}")
     if not t.is_floating_point():
@@ -256,15 +278,16 @@ def _check_param(name: str, t: Tensor, device: torch.device, d: int) -> None:
     if t.device != device:
         raise ValueError(f"`{name}` is on {t.device} but the sources are on {device}")
     if t.dim() not in (1, 2) or t.shape[-1] != d:
-        raise ValueError(f"`{name}` must have shape [D] or [Q, D] with D = {d}, got {tuple(t.shape)}")
+        raise ValueError(f"`{name}` must have shape [{width}] or [Q, {width}] with {width} = {d}, got {tuple(t.shape)}")
 
 
-def _check_per_site(name: str, t: Tensor | None, q: int, multi_query: bool, device, d: int) -> None:
+def _check_per_site(name: str, t: Tensor | None, q: int, multi_query: bool, device, d: int, width: str = "D") -> None:
     """Checks a per-site parameter: ``[D]`` (shared by the Q sites of a multi-query
-    read), or ``[Q, D]`` for a multi-query read only."""
+    read), or ``[Q, D]`` for a multi-query read only (``[R]`` / ``[Q, R]`` for the key's
+    parameters of a low-rank read)."""
     if t is None:
         return
-    _check_param(name, t, device, d)
+    _check_param(name, t, device, d, width)
     if t.dim() == 2:
         if not multi_query:
             raise ValueError(f"`{name}` is [Q, D] = {tuple(t.shape)} but `query` is a single [D] site")
@@ -279,16 +302,30 @@ def check_depth_read(
     out_norm_weight: Tensor | None,
     options: ReadOptions = PAPER_READ,
 ) -> DepthReadArgs:
-    """Checks a read's tensors (its ``options`` come checked from :func:`check_read_options`)."""
+    """Checks a read's tensors (its ``options`` come checked from :func:`check_read_options`).
+    A ``key_rank`` equal to D becomes None (the ordinary read)."""
     srcs = _as_source_tuple(sources)
     _check_sources(srcs)
     device, d = srcs[0].device, srcs[0].shape[-1]
-    _check_param("query", query, device, d)
+    key_dim, key_width = d, "D"
+    if options.key_rank is not None:
+        if options.key_rank > d:
+            raise ValueError(f"`key_rank` must be at most the sources' width D = {d}, got {options.key_rank}")
+        if options.key_rank == d:
+            options = options._replace(key_rank=None)
+        else:
+            if options.normalize_values:
+                raise ValueError(
+                    "`normalize_values` needs full-width keys: the values would be normalised over the "
+                    f"last key_rank = {options.key_rank} of D = {d} coordinates; use key_rank=None"
+                )
+            key_dim, key_width = options.key_rank, "R"
+    _check_param("query", query, device, key_dim, key_width)
     multi_query = query.dim() == 2
     q = query.shape[0] if multi_query else 1
     if q == 0:
         raise ValueError("`query` has Q = 0 sites")
-    _check_per_site("norm_weight", norm_weight, q, multi_query, device, d)
+    _check_per_site("norm_weight", norm_weight, q, multi_query, device, key_dim, key_width)
     _check_per_site("out_norm_weight", out_norm_weight, q, multi_query, device, d)
     return DepthReadArgs(srcs, query, norm_weight, out_norm_weight, options)
 

@@ -34,6 +34,16 @@ inline void check_step_site_vector(const at::Tensor& t, const char* name, const 
               like.device());
 }
 
+// A Block step's key_rank (sliced low-rank keys, docs/design.md §2.7): R = D (or unset) is the
+// ordinary step; R < D has no kernel on this backend yet.
+inline void check_full_width_keys(c10::optional<int64_t> key_rank, const at::Tensor& rows, const char* backend) {
+  if (!key_rank.has_value()) return;
+  const int64_t dim = rows.dim() > 0 ? rows.size(-1) : 0;
+  TORCH_CHECK(*key_rank >= 1 && *key_rank <= dim, "block step: `key_rank` must be in [1, D] with D = ", dim, ", got ",
+              *key_rank);
+  TORCH_CHECK(*key_rank == dim, "block step (", backend, "): sliced low-rank keys (key_rank < D) have no kernel yet");
+}
+
 // The checked arguments of one call: dtypes, row count, u = query ⊙ norm_weight and g as contiguous [D].
 struct StepArgs {
   int64_t M = 0, D = 0;

@@ -24,7 +24,11 @@ namespace attnres {
 // - normalize_values: the values are the normalised sources r_i v_i (Inkling2)
 //   instead of the raw v_i (paper);
 // - out_dtype: the output's dtype when given (else the promotion of the sources'
-//   and the prefix's dtypes).
+//   and the prefix's dtypes);
+// - key_rank: sliced low-rank keys (LR-AttnRes): the key of source i is its last R
+//   coordinates, RMS-normalised over those R; query and norm_weight have R entries,
+//   values and output keep the full width D. Unset is the ordinary read (check_read
+//   turns R = D into unset).
 // The op schemas carry the fields as trailing scalars (ATTNRES_READ_OPTIONS_SCHEMA); a
 // kernel entry point takes them as ATTNRES_READ_OPTIONS_PARAMS and builds the struct with
 // ATTNRES_READ_OPTIONS: a new option is one field here, in the three macros and in the
@@ -35,18 +39,20 @@ struct ReadOptions {
   double scale = 1.0;
   bool normalize_values = false;
   c10::optional<at::ScalarType> out_dtype;
+  c10::optional<int64_t> key_rank;
 
   // The fields in schema order, for calls through the dispatcher (std::apply).
-  auto as_tuple() const { return std::make_tuple(eps, out_norm_eps, scale, normalize_values, out_dtype); }
+  auto as_tuple() const { return std::make_tuple(eps, out_norm_eps, scale, normalize_values, out_dtype, key_rank); }
 };
 
 #define ATTNRES_READ_OPTIONS_SCHEMA \
-  "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype"
-#define ATTNRES_READ_OPTIONS_PARAMS \
-  double eps, double out_norm_eps, double scale, bool normalize_values, c10::optional<at::ScalarType> out_dtype
-#define ATTNRES_READ_OPTIONS (::attnres::ReadOptions{eps, out_norm_eps, scale, normalize_values, out_dtype})
+  "float eps, float out_norm_eps, float scale, bool normalize_values, ScalarType? out_dtype, int? key_rank"
+#define ATTNRES_READ_OPTIONS_PARAMS                                                                              \
+  double eps, double out_norm_eps, double scale, bool normalize_values, c10::optional<at::ScalarType> out_dtype, \
+      c10::optional<int64_t> key_rank
+#define ATTNRES_READ_OPTIONS (::attnres::ReadOptions{eps, out_norm_eps, scale, normalize_values, out_dtype, key_rank})
 // The field types alone, for typed dispatcher handles (OperatorHandle::typed<...>).
-#define ATTNRES_READ_OPTIONS_TYPES double, double, double, bool, c10::optional<at::ScalarType>
+#define ATTNRES_READ_OPTIONS_TYPES double, double, double, bool, c10::optional<at::ScalarType>, c10::optional<int64_t>
 
 // Name of the vector instruction set the CPU kernels were compiled for.
 const char* cpu_vector_isa();
@@ -134,35 +140,34 @@ inline void check_site_param(const at::Tensor& t, const char* name, int64_t q, b
 // Raw ops at one row (N=3, D=128, out norm, one thread, alternating runs): forward 11.4-11.8 ->
 // 9.8-10.0 µs, backward 15.8-16.6 -> 12.8-13.2 µs per call.
 inline void site_params_cpu(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
-                            const c10::optional<at::Tensor>& out_norm_weight, double scale,
-                            const std::vector<int64_t>& qd, at::ScalarType acc, SiteParams& p) {
-  const int64_t sites = qd[0], dim = qd[1];
+                            const c10::optional<at::Tensor>& out_norm_weight, double scale, int64_t sites,
+                            int64_t key_dim, int64_t dim, at::ScalarType acc, SiteParams& p) {
   auto fill = [&](auto zero) {
     using acc_t = decltype(zero);
-    // out[s, d] = t[s, d] (or *= it) for a [D] parameter shared by the sites (site stride 0) or a
-    // [Q, D] one, of any strides, read in acc (converted first when it is not).
-    auto take = [&](const at::Tensor& t, acc_t* out, bool multiply) {
+    // out[s, d] = t[s, d] (or *= it), d < width, for a [width] parameter shared by the sites (site
+    // stride 0) or a [Q, width] one, of any strides, read in acc (converted first when it is not).
+    auto take = [&](const at::Tensor& t, int64_t width, acc_t* out, bool multiply) {
       const at::Tensor a = t.to(acc);
       const acc_t* x = a.template const_data_ptr<acc_t>();
       const int64_t site_stride = a.dim() == 2 ? a.stride(0) : 0, col_stride = a.stride(-1);
       for (int64_t s = 0; s < sites; ++s) {
-        for (int64_t d = 0; d < dim; ++d) {
+        for (int64_t d = 0; d < width; ++d) {
           const acc_t v = x[s * site_stride + d * col_stride];
-          out[s * dim + d] = multiply ? out[s * dim + d] * v : v;
+          out[s * width + d] = multiply ? out[s * width + d] * v : v;
         }
       }
     };
-    p.u = at::empty(qd, query.options().dtype(acc));
+    p.u = at::empty({sites, key_dim}, query.options().dtype(acc));
     acc_t* u = p.u.template mutable_data_ptr<acc_t>();
-    take(query, u, false);
-    if (norm_weight.has_value()) take(*norm_weight, u, true);
+    take(query, key_dim, u, false);
+    if (norm_weight.has_value()) take(*norm_weight, key_dim, u, true);
     if (scale != 1.0) {
       const auto k = static_cast<acc_t>(scale);
-      for (int64_t i = 0; i < sites * dim; ++i) u[i] *= k;
+      for (int64_t i = 0; i < sites * key_dim; ++i) u[i] *= k;
     }
     if (out_norm_weight.has_value()) {
-      p.g = at::empty(qd, p.u.options());
-      take(*out_norm_weight, p.g.template mutable_data_ptr<acc_t>(), false);
+      p.g = at::empty({sites, dim}, p.u.options());
+      take(*out_norm_weight, dim, p.g.template mutable_data_ptr<acc_t>(), false);
     }
   };
   if (acc == at::kDouble) {
@@ -172,9 +177,11 @@ inline void site_params_cpu(const at::Tensor& query, const c10::optional<at::Ten
   }
 }
 
+// u = scale * query ⊙ norm_weight is [Q, key_dim] (key_dim = R for sliced low-rank keys, else D);
+// g = out_norm_weight is [Q, D].
 inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
                                     const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
-                                    double scale) {
+                                    double scale, int64_t key_dim) {
   const at::ScalarType acc = src.acc_dtype;
   const auto device = src.rows[0].device();
   TORCH_CHECK(query.dim() == 1 || query.dim() == 2, "depth attention: `query` must be [D] or [Q, D], got ",
@@ -184,20 +191,19 @@ inline SiteParams check_site_params(const at::Tensor& query, const c10::optional
   p.num_sites = site_dim ? query.size(0) : 1;
   TORCH_CHECK(p.num_sites > 0, "depth attention: `query` has Q = 0 sites");
   if (site_dim) p.q_dims = {p.num_sites};
-  check_site_param(query, "query", p.num_sites, site_dim, src.dim, device);
-  if (norm_weight.has_value()) check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, src.dim, device);
+  check_site_param(query, "query", p.num_sites, site_dim, key_dim, device);
+  if (norm_weight.has_value()) check_site_param(*norm_weight, "norm_weight", p.num_sites, site_dim, key_dim, device);
   if (out_norm_weight.has_value()) {
     check_site_param(*out_norm_weight, "out_norm_weight", p.num_sites, site_dim, src.dim, device);
   }
-  const std::vector<int64_t> qd = {p.num_sites, src.dim};
   if (device.is_cpu()) {
-    site_params_cpu(query, norm_weight, out_norm_weight, scale, qd, acc, p);
+    site_params_cpu(query, norm_weight, out_norm_weight, scale, p.num_sites, key_dim, src.dim, acc, p);
     return p;
   }
-  p.u = query.to(acc).expand(qd);
+  p.u = query.to(acc).expand({p.num_sites, key_dim});
   if (norm_weight.has_value()) p.u = p.u.mul(norm_weight->to(acc));
   p.u = scale == 1.0 ? p.u.contiguous() : p.u.mul(scale).contiguous();
-  if (out_norm_weight.has_value()) p.g = out_norm_weight->to(acc).expand(qd).contiguous();
+  if (out_norm_weight.has_value()) p.g = out_norm_weight->to(acc).expand({p.num_sites, src.dim}).contiguous();
   return p;
 }
 
@@ -297,6 +303,9 @@ struct CheckedRead {
   at::Tensor h_a, lse_a;
   SiteParams site;
   ReadOptions options;
+
+  // R: the width of the keys (and of query, norm_weight and u); D unless options.key_rank is set.
+  int64_t key_dim() const { return options.key_rank.value_or(in.dim); }
 };
 
 inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
@@ -312,7 +321,15 @@ inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
   }
   check_prefix(prefix_out, prefix_lse, site_dims(query), r.in, r.h_a, r.lse_a);
   if (options.out_dtype.has_value()) r.in.out_dtype = *options.out_dtype;
-  r.site = check_site_params(query, norm_weight, out_norm_weight, r.in, options.scale);
+  if (options.key_rank.has_value()) {
+    const int64_t rank = *options.key_rank;
+    TORCH_CHECK(rank >= 1 && rank <= r.in.dim, "depth attention: `key_rank` must be in [1, D] with D = ", r.in.dim,
+                ", got ", rank);
+    if (rank == r.in.dim) r.options.key_rank = c10::nullopt;  // the ordinary read
+    TORCH_CHECK(!(r.options.key_rank.has_value() && options.normalize_values),
+                "depth attention: `normalize_values` needs full-width keys (key_rank unset or D)");
+  }
+  r.site = check_site_params(query, norm_weight, out_norm_weight, r.in, options.scale, r.key_dim());
   return r;
 }
 

@@ -319,10 +319,10 @@ def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
 # ---------------------------------------------------------------- Block step
 #
 #   block_step_fwd(partial? [..., D], update [..., D], query [D], norm_weight? [D], prefix_out [..., D],
-#                  prefix_lse [...], out_norm_weight? [D], float eps)
+#                  prefix_lse [...], out_norm_weight? [D], float eps, int? key_rank)
 #       -> (new_partial [..., D], out [..., D], lse [...], logit [...], rinv [...])
 #   block_step_bwd(grad_new_partial?, grad_out?, grad_lse?, new_partial, query, norm_weight?, prefix_out,
-#                  prefix_lse, out_norm_weight?, logit, rinv, eps)
+#                  prefix_lse, out_norm_weight?, logit, rinv, eps, key_rank)
 #       -> (grad_new_partial, grad_query, grad_norm_weight, grad_prefix_out, grad_prefix_lse,
 #           grad_out_norm_weight)
 #
@@ -336,7 +336,9 @@ def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
 # addends), the site parameters, the prefix and the per-row scalars logit and rinv.
 
 
-def fake_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+def fake_block_step_fwd(
+    partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank=None
+):
     new_dtype = update.dtype if partial is None else torch.promote_types(partial.dtype, update.dtype)
     out_dtype = torch.promote_types(new_dtype, prefix_out.dtype)
     acc = accumulation_dtype(out_dtype)
@@ -363,6 +365,7 @@ def fake_block_step_bwd(
     logit,
     rinv,
     eps,
+    key_rank=None,
 ):
     return (
         torch.empty_like(new_partial, memory_format=torch.contiguous_format),
@@ -374,7 +377,9 @@ def fake_block_step_bwd(
     )
 
 
-def reference_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps):
+def reference_block_step_fwd(
+    partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank
+):
     """``(new_partial, out, lse)`` of ``block_step_fwd`` computed by the reference (differentiable)."""
     return reference.block_step(
         partial,
@@ -385,6 +390,7 @@ def reference_block_step_fwd(partial, update, query, norm_weight, prefix_out, pr
         norm_weight,
         eps=eps,
         out_norm_weight=out_norm_weight,
+        key_rank=key_rank,
         return_lse=True,
     )
 
@@ -395,7 +401,17 @@ def register_block_step_fakes(fwd_name: str, bwd_name: str) -> None:
 
 
 def differentiable_block_step_bwd(
-    grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps
+    grad_new_partial,
+    grad_out,
+    grad_lse,
+    new_partial,
+    query,
+    norm_weight,
+    prefix_out,
+    prefix_lse,
+    out_norm_weight,
+    eps,
+    key_rank=None,
 ):
     """``attnres::block_step_bwd_differentiable``: the gradients of ``block_step_fwd``,
     differentiable (by autograd through the reference). The read depends on the addends
@@ -404,7 +420,7 @@ def differentiable_block_step_bwd(
     new_partial, query, norm_weight, prefix_out, prefix_lse and out_norm_weight; an empty
     tensor for an input that is absent or does not require grad."""
     d_new, *grads = differentiable_grads(
-        lambda x: reference_block_step_fwd(None, *x, eps),
+        lambda x: reference_block_step_fwd(None, *x, eps, key_rank),
         [new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight],
         [None, grad_out, grad_lse],
     )
@@ -419,10 +435,10 @@ def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
     semantics instead (csrc/autograd/block_step_autograd.h): this one costs ~1 ms per call."""
 
     def setup_context(ctx, inputs, output):
-        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps = inputs
+        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank = inputs
         new_partial, _, _, logit, rinv = output
         ctx.mark_non_differentiable(logit, rinv)
-        ctx.eps = eps
+        ctx.eps, ctx.key_rank = eps, key_rank
         ctx.addend_dtypes = (partial.dtype if partial is not None else None, update.dtype)
         # Not the addends: keeping the old partial sum alive would cost O(L·d) memory.
         ctx.save_for_backward(new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv)
@@ -431,10 +447,14 @@ def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
         new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, logit, rinv = ctx.saved_tensors
         params = (query, norm_weight, prefix_out, prefix_lse, out_norm_weight)
         if torch.is_grad_enabled():  # create_graph=True: a differentiable backward through the reference
-            grads = differentiable_block_step_bwd(grad_new_partial, grad_out, grad_lse, new_partial, *params, ctx.eps)
+            grads = differentiable_block_step_bwd(
+                grad_new_partial, grad_out, grad_lse, new_partial, *params, ctx.eps, ctx.key_rank
+            )
             grads = [g if t is not None and t.requires_grad else None for g, t in zip(grads, (new_partial, *params))]
         else:
-            grads = bwd_op(grad_new_partial, grad_out, grad_lse, new_partial, *params, logit, rinv, ctx.eps)
+            grads = bwd_op(
+                grad_new_partial, grad_out, grad_lse, new_partial, *params, logit, rinv, ctx.eps, ctx.key_rank
+            )
             grads = [g if t is not None else None for g, t in zip(grads, (new_partial, *params))]
         grad_total, grad_query, grad_norm, grad_prefix_out, grad_prefix_lse, grad_g = grads
         partial_dtype, update_dtype = ctx.addend_dtypes
@@ -447,6 +467,7 @@ def register_block_step_autograd(fwd_name: str, bwd_op) -> None:
             grad_prefix_out,
             grad_prefix_lse,
             grad_g,
+            None,
             None,
         )
 

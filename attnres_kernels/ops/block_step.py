@@ -27,8 +27,10 @@ if _native.defines("block_step_fwd"):
     register_native_block_step_ops()
 
 
-def _limit(dim: int, acc: torch.dtype):
+def _limit(dim: int, acc: torch.dtype, key_rank: int | None = None):
     def limit(backend: str) -> str | None:
+        if key_rank is not None:
+            return f"backend {backend!r} has no Block-step kernel for sliced low-rank keys (key_rank) yet"
         if backend == "triton":
             from .. import triton as triton_backend
 
@@ -46,9 +48,13 @@ def _limit(dim: int, acc: torch.dtype):
     return limit
 
 
-def resolve_backend(backend: str, device: torch.device, dim: int, acc: torch.dtype = torch.float32) -> str:
-    """The backend that will run a Block step of width ``dim`` with ``acc`` accumulation on ``device``."""
-    return _dispatch.resolve(backend, device, "block_step_fwd", _limit(dim, acc), what=f" (D = {dim}, {acc} math)")
+def resolve_backend(
+    backend: str, device: torch.device, dim: int, acc: torch.dtype = torch.float32, key_rank: int | None = None
+) -> str:
+    """The backend that will run a Block step of width ``dim`` with ``acc`` accumulation on ``device``
+    (``key_rank``: sliced low-rank keys of R < D coordinates)."""
+    limit = _limit(dim, acc, key_rank)
+    return _dispatch.resolve(backend, device, "block_step_fwd", limit, what=f" (D = {dim}, {acc} math)")
 
 
 def step_unchecked(
@@ -62,6 +68,7 @@ def step_unchecked(
     *,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
 ):
     """A Block step without argument checks, for modules that already guarantee what
@@ -79,10 +86,11 @@ def step_unchecked(
             norm_weight,
             eps=eps,
             out_norm_weight=out_norm_weight,
+            key_rank=key_rank,
             return_lse=return_lse,
         )
     new_partial, out, lse, _, _ = _dispatch.fused_op(backend, "block_step_fwd", update.device)(
-        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps)
+        partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, float(eps), key_rank
     )
     return (new_partial, out, lse) if return_lse else (new_partial, out)
 
@@ -97,21 +105,25 @@ def block_step(
     *,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
     backend: str = "auto",
 ):
     """``partial + update`` and the next site's merge read in one pass over each row;
     same arguments and results as :func:`attnres_kernels.reference.block_step`, plus
-    ``backend``. ``query``, ``norm_weight`` and ``out_norm_weight`` are one site's ``[D]``.
+    ``backend``. ``query``, ``norm_weight`` and ``out_norm_weight`` are one site's ``[D]``
+    (``query`` and ``norm_weight`` ``[R]`` with ``key_rank = R``: sliced low-rank keys).
     Gradients flow to both addends (each in its own dtype), the site parameters and the
     prefix; autograd keeps ``new_partial`` for the backward, never the addends."""
     check_block_step(partial, update)
-    args = check_depth_read(query, [update], norm_weight, out_norm_weight, check_read_options(eps))
+    options = check_read_options(eps, key_rank=key_rank)
+    args = check_depth_read(query, [update], norm_weight, out_norm_weight, options)
     if args.multi_query:
         raise ValueError(f"`query` of a Block step is one site's [D], got shape {tuple(query.shape)}")
     check_prefix(args, prefix_out, prefix_lse)
     acc = accumulation_dtype(promoted_dtype([partial, update, prefix_out]))
-    chosen = resolve_backend(backend, update.device, update.shape[-1], acc)
+    key_rank = args.options.key_rank  # None for R = D
+    chosen = resolve_backend(backend, update.device, update.shape[-1], acc, key_rank)
     return step_unchecked(
         chosen,
         partial,
@@ -122,5 +134,6 @@ def block_step(
         norm_weight,
         eps=eps,
         out_norm_weight=out_norm_weight,
+        key_rank=key_rank,
         return_lse=return_lse,
     )

@@ -40,6 +40,8 @@ def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weig
     def limit(backend: str) -> str | None:
         if options.normalize_values and weighted_values:
             return "the fused kernels normalise the values only without a key-norm weight (norm_weight=None)"
+        if options.key_rank is not None:
+            return f"backend {backend!r} has no kernel for sliced low-rank keys (key_rank) yet"
         if backend == "triton":
             from .. import triton as triton_backend
 
@@ -133,7 +135,9 @@ _CPU_OP = torch.ops.attnres.depth_attn_fwd.default if _CPU_KERNEL and _native.av
 _PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
-def _plain_cpu_read(query, sources, norm_weight, out_norm_weight, eps, scale, normalize_values, out_norm_eps) -> bool:
+def _plain_cpu_read(
+    query, sources, norm_weight, out_norm_weight, eps, scale, normalize_values, out_norm_eps, key_rank
+) -> bool:
     """Whether a read's arguments are plain CPU tensors in a list or tuple with options of the
     exact types the checks accept: a call the C++ op validates itself."""
     return (
@@ -148,6 +152,7 @@ def _plain_cpu_read(query, sources, norm_weight, out_norm_weight, eps, scale, no
         and type(normalize_values) is bool
         and (out_norm_eps is None or type(out_norm_eps) is float)
         and not (normalize_values and norm_weight is not None)  # weighted normalised values: the reference
+        and key_rank is None  # sliced low-rank keys: the reference
     )
 
 
@@ -157,6 +162,7 @@ def _read(args: DepthReadArgs, norm_weight, out_norm_weight, prefix, backend, re
     if (
         backend in _dispatch.CPU_KERNEL_BACKENDS
         and not weighted_values
+        and args.options.key_rank is None
         and args.sources[0].is_cpu
         and _CPU_KERNEL
         and _native.available()
@@ -192,6 +198,7 @@ def depth_attention(
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
     backend: str = "auto",
@@ -207,24 +214,36 @@ def depth_attention(
         _CPU_OP is not None
         and backend in _dispatch.CPU_KERNEL_BACKENDS
         and _native.available()
-        and _plain_cpu_read(query, sources, norm_weight, out_norm_weight, eps, scale, normalize_values, out_norm_eps)
+        and _plain_cpu_read(
+            query, sources, norm_weight, out_norm_weight, eps, scale, normalize_values, out_norm_eps, key_rank
+        )
     ):
         # The C++ op checks every argument before its kernel runs; the Python checks (~13 µs with
         # the resolution, 7 % of a small read's forward) run only to word the error of a call it rejected.
         try:
             out, lse, logits, _ = _CPU_OP(
                 sources, query, norm_weight, None, None, out_norm_weight, eps,
-                eps if out_norm_eps is None else out_norm_eps, scale, normalize_values, out_dtype,
+                eps if out_norm_eps is None else out_norm_eps, scale, normalize_values, out_dtype, None,
             )  # fmt: skip
         except (RuntimeError, TypeError):
             options = check_read_options(
-                eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+                eps,
+                scale=scale,
+                normalize_values=normalize_values,
+                out_norm_eps=out_norm_eps,
+                out_dtype=out_dtype,
+                key_rank=key_rank,
             )
             check_depth_read(query, sources, norm_weight, out_norm_weight, options)
             raise
         return _outputs(out, lse, logits, query, return_lse, return_weights)
     options = check_read_options(
-        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+        eps,
+        scale=scale,
+        normalize_values=normalize_values,
+        out_norm_eps=out_norm_eps,
+        out_dtype=out_dtype,
+        key_rank=key_rank,
     )
     args = check_depth_read(query, sources, norm_weight, out_norm_weight, options)
     return _read(args, norm_weight, out_norm_weight, None, backend, return_lse, return_weights)
@@ -243,6 +262,7 @@ def depth_attention_merge(
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
     backend: str = "auto",
 ):
@@ -252,7 +272,12 @@ def depth_attention_merge(
     :func:`attnres_kernels.reference.depth_attention_merge`.
     """
     options = check_read_options(
-        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+        eps,
+        scale=scale,
+        normalize_values=normalize_values,
+        out_norm_eps=out_norm_eps,
+        out_dtype=out_dtype,
+        key_rank=key_rank,
     )
     args = check_prefix_args(
         check_depth_read(query, sources, norm_weight, out_norm_weight, options), prefix_out, prefix_lse

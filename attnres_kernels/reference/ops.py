@@ -29,11 +29,13 @@ def _rms_normalize(x: Tensor, eps: float) -> Tensor:
 
 
 def _logits(u: Tensor, v: Tensor, eps: float) -> Tensor:
-    """``s[q, i, ...] = r_i * <u_q, v_i>`` with ``r_i = rsqrt(mean(v_i^2) + eps)``.
+    """``s[q, i, ...] = r_i * <u_q, t_i>`` with ``r_i = rsqrt(mean(t_i^2) + eps)``, where the key
+    ``t_i`` is the last R coordinates of ``v_i`` (all D of them unless ``key_rank`` is set).
 
-    ``u`` is ``[Q, D]`` (``scale`` · query ⊙ key-norm weight), ``v`` is ``[N, ..., D]``."""
-    r = torch.rsqrt(v.pow(2).mean(-1) + eps)  # [N, ...]
-    dots = torch.einsum("qd,n...d->qn...", u, v)  # [Q, N, ...]
+    ``u`` is ``[Q, R]`` (``scale`` · query ⊙ key-norm weight), ``v`` is ``[N, ..., D]``."""
+    t = v[..., v.shape[-1] - u.shape[-1] :]  # [N, ..., R]
+    r = torch.rsqrt(t.pow(2).mean(-1) + eps)  # [N, ...]
+    dots = torch.einsum("qd,n...d->qn...", u, t)  # [Q, N, ...]
     return dots * r.unsqueeze(0)
 
 
@@ -67,6 +69,7 @@ def depth_attention(
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
     return_weights: bool = False,
 ):
@@ -74,10 +77,10 @@ def depth_attention(
 
     Args:
         query: pseudo-query ``w``, ``[D]`` for one site or ``[Q, D]`` for Q sites
-            reading the same sources.
+            reading the same sources (``[R]`` / ``[Q, R]`` with ``key_rank = R``).
         sources: N ≥ 1 tensors of one shape ``[..., D]``, or one ``[N, ..., D]`` tensor.
-        norm_weight: key RMSNorm weight ``γ``, ``[D]`` or ``[Q, D]``; None: an
-            unweighted key norm.
+        norm_weight: key RMSNorm weight ``γ``, ``[D]`` or ``[Q, D]`` (``[R]`` / ``[Q, R]``
+            with ``key_rank``); None: an unweighted key norm.
         scale: multiplies the logits (1 in the paper, ``1/√D`` in Inkling2).
         normalize_values: the values are the normalised sources ``rmsnorm(v_i)``
             (times ``norm_weight`` when given), as in Inkling2, instead of the raw
@@ -86,6 +89,10 @@ def depth_attention(
         out_norm_weight: if given, return ``rmsnorm(h) * out_norm_weight`` instead of ``h``.
         out_norm_eps: epsilon of that output norm (default: ``eps``).
         out_dtype: dtype of the output (default: the promotion of the source dtypes).
+        key_rank: sliced low-rank keys: the key of each source is its last ``key_rank``
+            coordinates, RMS-normalised over those (LR-AttnRes); values and output keep
+            the full width D. None (or D) is the ordinary read. Not combinable with
+            ``normalize_values``.
         return_lse: also return ``logsumexp`` of the logits (fp32, fp64 for fp64 inputs).
         return_weights: also return the softmax weights ``α`` (``[N, ...]`` or ``[Q, N, ...]``).
 
@@ -94,7 +101,12 @@ def depth_attention(
         when asked for, in that order.
     """
     options = check_read_options(
-        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+        eps,
+        scale=scale,
+        normalize_values=normalize_values,
+        out_norm_eps=out_norm_eps,
+        out_dtype=out_dtype,
+        key_rank=key_rank,
     )
     return read(check_depth_read(query, sources, norm_weight, out_norm_weight, options), return_lse, return_weights)
 
@@ -122,6 +134,7 @@ def depth_attention_merge(
     out_norm_weight: Tensor | None = None,
     out_norm_eps: float | None = None,
     out_dtype: torch.dtype | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
 ):
     """Extends a finished read ``(h_a, lse_a)`` over a source set A with extra sources B.
@@ -132,7 +145,12 @@ def depth_attention_merge(
     ``prefix_out`` must be the un-normalized ``h_a`` (not a fused-output-norm result).
     """
     options = check_read_options(
-        eps, scale=scale, normalize_values=normalize_values, out_norm_eps=out_norm_eps, out_dtype=out_dtype
+        eps,
+        scale=scale,
+        normalize_values=normalize_values,
+        out_norm_eps=out_norm_eps,
+        out_dtype=out_dtype,
+        key_rank=key_rank,
     )
     args = check_prefix_args(
         check_depth_read(query, sources, norm_weight, out_norm_weight, options), prefix_out, prefix_lse
@@ -245,6 +263,7 @@ def block_step(
     *,
     eps: float = 1e-6,
     out_norm_weight: Tensor | None = None,
+    key_rank: int | None = None,
     return_lse: bool = False,
 ):
     """One residual step of two-phase Block AttnRes (DESIGN.md §2.3, phase 2).
@@ -254,7 +273,7 @@ def block_step(
     merge of its phase-1 read over the committed blocks ``(prefix_out, prefix_lse)``
     with the one source ``new_partial``, optionally followed by the sublayer's
     PreNorm ``rmsnorm(h) * out_norm_weight``. ``query``/``norm_weight`` are the
-    next site's ``w``/``γ`` (``[D]``).
+    next site's ``w``/``γ`` (``[D]``, or ``[R]`` with ``key_rank = R``: sliced low-rank keys).
 
     Returns ``(new_partial, out)`` or, with ``return_lse``, ``(new_partial, out, lse)``.
     """
@@ -268,6 +287,7 @@ def block_step(
         norm_weight,
         eps=eps,
         out_norm_weight=out_norm_weight,
+        key_rank=key_rank,
         return_lse=return_lse,
     )
     return (new_partial, *result) if return_lse else (new_partial, result)

@@ -37,12 +37,12 @@ BWD_ROWS = 16  # rows per backward program: fixes the partition of the row reduc
 
 FWD_SCHEMA = (
     "(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, "
-    "Tensor? out_norm_weight, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor? out_norm_weight, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 BWD_SCHEMA = (
     "(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, Tensor query, "
     "Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, Tensor logit, "
-    "Tensor rinv, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
+    "Tensor rinv, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"
 )
 
 
@@ -257,9 +257,25 @@ def _folded_query(query, norm_weight, acc: torch.dtype) -> torch.Tensor:
     return (u * _as_dtype(norm_weight, acc) if norm_weight is not None else u).contiguous()
 
 
-def block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps: float):
+def _check_full_width_keys(key_rank: int | None, dim: int) -> None:
+    if key_rank not in (None, dim):
+        raise RuntimeError("block step (triton): sliced low-rank keys (key_rank < D) have no Triton kernel yet")
+
+
+def block_step_fwd(
+    partial,
+    update,
+    query,
+    norm_weight,
+    prefix_out,
+    prefix_lse,
+    out_norm_weight,
+    eps: float,
+    key_rank: int | None = None,
+):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration` (Block step)."""
     dim, lead = update.shape[-1], update.shape[:-1]
+    _check_full_width_keys(key_rank, dim)
     new_dtype = update.dtype if partial is None else torch.promote_types(partial.dtype, update.dtype)
     out_dtype = torch.promote_types(new_dtype, prefix_out.dtype)
     acc_torch, acc_tl = _acc_dtypes(out_dtype)
@@ -312,9 +328,11 @@ def block_step_bwd(
     logit,
     rinv,
     eps: float,
+    key_rank: int | None = None,
 ):
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration` (Block step)."""
     dim = new_partial.shape[-1]
+    _check_full_width_keys(key_rank, dim)
     acc_torch, acc_tl = _acc_dtypes(torch.promote_types(new_partial.dtype, prefix_out.dtype))
     cfg = step_config(dim, acc_torch)
     m = new_partial.numel() // dim

@@ -340,10 +340,16 @@ def _dtypes(sources, prefix_out, options: ReadOptions) -> tuple:
     return out_dtype, torch.promote_types(input_dtype, out_dtype)
 
 
+def _check_full_width_keys(options: ReadOptions, dim: int) -> None:
+    if options.key_rank not in (None, dim):
+        raise RuntimeError("depth attention (triton): sliced low-rank keys (key_rank < D) have no Triton kernel yet")
+
+
 def depth_attn_fwd(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, *options):
     """Forward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     options = ReadOptions(*options)
     first = sources[0]
+    _check_full_width_keys(options, first.shape[-1])
     dim, lead = first.shape[-1], first.shape[:-1]
     out_dtype, compute_dtype = _dtypes(sources, prefix_out, options)
     acc_torch, acc_tl = _acc_dtypes(compute_dtype)
@@ -435,6 +441,7 @@ def depth_attn_bwd(
     """Backward of the op schema in :mod:`attnres_kernels.ops._registration`."""
     options = ReadOptions(*options)
     first = sources[0]
+    _check_full_width_keys(options, first.shape[-1])
     _, compute_dtype = _dtypes(sources, prefix_out, options)
     acc_torch, _ = _acc_dtypes(compute_dtype)
     u, g = _site_params(query, norm_weight, out_norm_weight, acc_torch, options.scale)

@@ -85,6 +85,7 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction<Op
     ctx->saved_data["normalize_values"] = options.normalize_values;
     ctx->saved_data["out_dtype"] = static_cast<int64_t>(out.scalar_type());
     ctx->saved_data["out_dtype_given"] = options.out_dtype.has_value();
+    ctx->saved_data["key_rank"] = options.key_rank.value_or(0);  // 0: unset (full-width keys)
     return {out, lse, logits, rinv};
   }
 
@@ -100,6 +101,7 @@ struct DepthAttnFunction : public torch::autograd::Function<DepthAttnFunction<Op
     ReadOptions options{ctx->saved_data["eps"].toDouble(), ctx->saved_data["out_norm_eps"].toDouble(),
                         ctx->saved_data["scale"].toDouble(), ctx->saved_data["normalize_values"].toBool()};
     if (ctx->saved_data["out_dtype_given"].toBool()) options.out_dtype = out_dtype;
+    if (const int64_t key_rank = ctx->saved_data["key_rank"].toInt()) options.key_rank = key_rank;
     const at::Tensor &grad_out = grads[0], &grad_lse = grads[1], &grad_logits = grads[2];
 
     std::vector<at::Tensor> result;  // one gradient per input of forward (options included)

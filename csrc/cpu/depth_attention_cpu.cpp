@@ -1824,6 +1824,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd_cpu(
     const c10::optional<at::Tensor>& out_norm_weight, ATTNRES_READ_OPTIONS_PARAMS) {
   const CheckedRead read =
       check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, ATTNRES_READ_OPTIONS);
+  TORCH_CHECK(!read.options.key_rank.has_value(),
+              "depth attention (cpu): sliced low-rank keys (key_rank < D) have no CPU kernel yet");
   const SourceRows& in = read.in;
   const SiteParams& site = read.site;
   const auto acc = in.acc_dtype;
@@ -1860,6 +1862,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
     ATTNRES_READ_OPTIONS_PARAMS) {
   const CheckedRead read =
       check_read(sources, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, ATTNRES_READ_OPTIONS);
+  TORCH_CHECK(!read.options.key_rank.has_value(),
+              "depth attention (cpu): sliced low-rank keys (key_rank < D) have no CPU kernel yet");
   const SourceRows& in = read.in;
   const SiteParams& site = read.site;
   const at::Tensor &h_a = read.h_a, &lse_a = read.lse_a;

@@ -52,7 +52,8 @@ template <typename Runtime>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_fwd(
     Runtime& rt, const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
     const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, double eps, c10::optional<int64_t> key_rank) {
+  check_full_width_keys(key_rank, update, "cuda");
   const StepArgs a = check_step(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight);
   const auto lead = update.sizes().slice(0, update.dim() - 1);
   at::Tensor new_partial = at::empty(update.sizes(), update.options().dtype(a.new_dtype));
@@ -110,7 +111,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     Runtime& rt, const c10::optional<at::Tensor>& grad_new_partial, const c10::optional<at::Tensor>& grad_out,
     const c10::optional<at::Tensor>& grad_lse, const at::Tensor& new_partial, const at::Tensor& query,
     const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps,
+    c10::optional<int64_t> key_rank) {
+  check_full_width_keys(key_rank, new_partial, "cuda");
   const StepArgs a = check_step(c10::nullopt, new_partial, query, norm_weight, prefix_out, prefix_lse, out_norm_weight);
   const StepSaved saved = check_step_saved(a, new_partial, grad_new_partial, grad_out, grad_lse, logit, rinv);
   const auto lead = new_partial.sizes().slice(0, new_partial.dim() - 1);

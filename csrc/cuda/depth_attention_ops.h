@@ -85,6 +85,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> depth_attn_fwd(
   const SiteParams& site = read.site;
   TORCH_CHECK(!options.normalize_values || !norm_weight.has_value(),
               "depth attention (cuda): normalised values are implemented without a key-norm weight only");
+  TORCH_CHECK(!read.options.key_rank.has_value(),
+              "depth attention (cuda): sliced low-rank keys (key_rank < D) have no CUDA kernel yet");
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto opts = in.rows[0].options();
   const auto acc = in.acc_dtype;
@@ -158,6 +160,8 @@ std::tuple<std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, at::Tens
   const SiteParams& site = read.site;
   TORCH_CHECK(!options.normalize_values || !norm_weight.has_value(),
               "depth attention (cuda): normalised values are implemented without a key-norm weight only");
+  TORCH_CHECK(!read.options.key_rank.has_value(),
+              "depth attention (cuda): sliced low-rank keys (key_rank < D) have no CUDA kernel yet");
   const int64_t N = static_cast<int64_t>(in.rows.size()), M = in.num_rows, D = in.dim, Q = site.num_sites;
   const auto acc = in.acc_dtype;
   const SavedForBackward saved = check_saved_for_backward(read, grad_out, grad_lse, grad_logits, logits, rinv);

@@ -158,19 +158,21 @@ at::Tensor wmma_matmul(const at::Tensor& a, const at::Tensor& b, const at::Tenso
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_fwd(
     const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
     const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, double eps, c10::optional<int64_t> key_rank) {
   Runtime rt;
-  return cuda::block_step_fwd(rt, partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps);
+  return cuda::block_step_fwd(rt, partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps,
+                              key_rank);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> block_step_bwd(
     const c10::optional<at::Tensor>& grad_new_partial, const c10::optional<at::Tensor>& grad_out,
     const c10::optional<at::Tensor>& grad_lse, const at::Tensor& new_partial, const at::Tensor& query,
     const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out, const at::Tensor& prefix_lse,
-    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps) {
+    const c10::optional<at::Tensor>& out_norm_weight, const at::Tensor& logit, const at::Tensor& rinv, double eps,
+    c10::optional<int64_t> key_rank) {
   Runtime rt;
   return cuda::block_step_bwd(rt, grad_new_partial, grad_out, grad_lse, new_partial, query, norm_weight, prefix_out,
-                              prefix_lse, out_norm_weight, logit, rinv, eps);
+                              prefix_lse, out_norm_weight, logit, rinv, eps, key_rank);
 }
 
 // x (fp32 or fp64) rounded to fp16 / bf16 by the device conversion (from_acc) in a
