@@ -6,8 +6,11 @@
 What it counts: the instructions the CPU executes per call (callgrind's ``Ir``, all threads) of the
 forward (under ``no_grad``) and of forward + ``torch.autograd.grad`` of every input, for the depth read
 (one site; four sites, ``[Q, D]`` parameters), the merge, the Block step and attention, on each backend
-whose host path runs here. Instruction counts repeat to a fraction of a percent from run to run, unlike
-wall time on a shared machine. Only steady-state calls count: every case first runs twice per shape
+whose host path runs here. Unlike wall time on a shared machine, instruction counts repeat: two runs
+of the same code count exactly the same (valgrind runs the process deterministically, and the child's
+``PYTHONHASHSEED`` is fixed); a change elsewhere in the process (other code, other allocation addresses)
+moved the host numbers by up to about 2 %, up to 6 % for the reference, whose count is mostly its
+kernels (see below). Only steady-state calls count: every case first runs twice per shape
 without instrumentation (Triton compiles, caches fill), then twice more instrumented, then ``--calls``
 calls between two client requests to callgrind (zero the counters, dump them under the case's label),
 issued from Python through a five-line C helper built with ``valgrind/callgrind.h``. A region of as
@@ -36,12 +39,17 @@ Backends:
   those on a GPU. The number is the mean of the counts at both shapes below, which differ by a few
   percent: the ATen ops of the launchers (zero fills, ``u = w ⊙ γ``, casts) still run on CPU, and the
   launch tables' cache hits depend on where the allocator put the gradients.
-- ``cpu``: the C++ CPU ops, kernels included (they cannot be stubbed from outside). The host part is
-  estimated by measuring at M = 64 and 128 rows (batch 2 and 4 of T = 32) and extrapolating to zero rows,
+- ``cpu``: the C++ CPU ops, kernels included (they cannot be stubbed from outside); likewise
+  ``reference`` (the plain-PyTorch reference through the same public function), ``sdpa``
+  (``F.scaled_dot_product_attention`` on the attention's shapes) and ``torch`` (one ``a + b`` of the
+  read's output shape: one ATen op and one autograd node, the yardstick). Their host part is estimated
+  by measuring at M = 64 and 128 rows (batch 2 and 4 of T = 32) and extrapolating to zero rows,
   ``host = 2·I(64) − I(128)`` (the kernels' work is linear in the rows); the count at 64 rows is
-  reported beside it. The same holds for ``reference`` (the plain-PyTorch reference through the same
-  public function), for ``sdpa`` (``F.scaled_dot_product_attention`` on the attention's shapes) and for
-  ``torch`` (one ``a + b`` of the read's output shape: one ATen op and one autograd node, the yardstick).
+  reported beside it. Checked with a third shape (256 rows; all but the reference): the estimates from
+  128 and 256 rows agree within 3 % for every forward and for the backward of the C++ merge, Block step
+  and attention and of ``a + b``; the C++ depth read's backward and SDPA's backward grow faster than
+  linearly beyond 128 rows (their estimates from 128 and 256 rows are 15–35 % lower), so their host
+  numbers are less certain.
 - ``cuda`` (the C++/CUDA binding) is not measured: its host code needs a CUDA device, and this CPU
   build of torch has none (the ``cuda`` backend on CPU tensors is the SIMT emulator, a different
   program). ``benchmarks/gpu.py --sections host`` measures it.
