@@ -66,7 +66,7 @@ sweep: $(VENV)/.dev $(VENV)/.built
 # On a CUDA machine: the cuda-marked tests and benchmark cases, then benchmarks/results/gpu.md + gpu.json.
 gpu-bench: $(VENV)/.dev $(VENV)/.built
 	$(PY) -m pytest -m cuda --benchmark $(ARGS)
-	$(PY) benchmarks/gpu.py
+	$(PY) -m benchmarks.gpu
 
 cmake: $(VENV)/.runtime
 	cmake -S . -B build -DPython3_EXECUTABLE=$(abspath $(PY))
@@ -118,7 +118,7 @@ cuda-build: $(CUDA_VENV)/.installed
 PORTABLE_SRC := build/portable
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo )apt-get
 AARCH64_CXX ?= aarch64-linux-gnu-g++
-PORTABLE_TESTS := tests/test_cpu_op.py tests/test_attention.py tests/test_block_step.py
+PORTABLE_TESTS := tests/backends/test_cpu_op.py tests/ops/test_attention.py tests/ops/test_block_step.py
 # torch's and Python's include directories (expanded when a recipe runs, after the venv exists).
 TORCH_INCLUDES = $(shell $(PY) -c "import sysconfig; from torch.utils.cpp_extension import include_paths; \
                    print(' '.join('-I' + p for p in [*include_paths(), sysconfig.get_paths()['include']]))")

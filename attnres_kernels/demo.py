@@ -8,9 +8,12 @@ decay, batch 10.
 
     python -m attnres_kernels.demo [--epochs 300] [--out demo_out] [--backend auto] [--seed 0]
 
-Prints the parameter counts, the loss every 50 epochs, the first epoch reaching
-each loss threshold, wall time, exact-match accuracy on all 50 pairs and a few
-translations; writes ``loss_curves.png``, ``depth_attention.png`` and
+The models train in alternation, one epoch of each in turn, so that their
+training times are measured over the same stretch of time and their ratio holds
+on a busy machine. Prints the parameter counts, the loss every 50 epochs, the
+first epoch reaching each loss threshold, each model's training time (the sum
+of its epochs' wall times) and its ratio to Standard's, exact-match accuracy on
+all 50 pairs and a few translations; writes ``loss_curves.png``, ``depth_attention.png`` and
 ``results.json`` to ``--out``.
 """
 
@@ -122,38 +125,64 @@ class RunResult:
     translations: list = field(default_factory=list)
 
 
-def train(name: str, pairs, tok, args) -> tuple:
+@dataclass
+class Run:
+    """One model in training: its optimizer, schedule, data order and results so far."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    order_gen: torch.Generator
+    result: RunResult
+
+
+def start_run(name: str, vocab: int, num_pairs: int, args) -> Run:
     torch.manual_seed(args.seed)
-    model = build_model(name, len(tok.itos), args)
-    result = RunResult(name, sum(p.numel() for p in model.parameters()))
+    model = build_model(name, vocab, args)
     # fused: one kernel for all parameters. The AttnRes models add two [d] vectors per
     # depth-attention site; the for-loop AdamW pays a fixed cost per parameter tensor.
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
-    steps_per_epoch = math.ceil(len(pairs) / args.batch_size)
+    steps_per_epoch = math.ceil(num_pairs / args.batch_size)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * steps_per_epoch)
-    order_gen = torch.Generator().manual_seed(args.seed)
+    result = RunResult(name, sum(p.numel() for p in model.parameters()))
+    return Run(model, opt, sched, torch.Generator().manual_seed(args.seed), result)
+
+
+def train_epoch(run: Run, pairs, tok, batch_size: int) -> None:
+    """One epoch of ``run``'s model over all pairs in a fresh random order; appends the
+    epoch's mean loss per target token and adds the epoch's wall time."""
     start = time.perf_counter()
-    bar = tqdm(range(args.epochs), desc=f"{name:8s}", unit="ep", leave=True, dynamic_ncols=True, mininterval=0.5)
-    for _ in bar:
-        order = torch.randperm(len(pairs), generator=order_gen).tolist()
-        total, count = 0.0, 0
-        for b in range(0, len(pairs), args.batch_size):
-            x, y = make_batch([pairs[i] for i in order[b : b + args.batch_size]], tok)
-            logits = model(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            n_tokens = int((y != -100).sum())
-            total, count = total + loss.item() * n_tokens, count + n_tokens
-        result.losses.append(total / count)
-        bar.set_postfix(loss=f"{result.losses[-1]:.4f}")
-    result.seconds = time.perf_counter() - start
-    model.eval()
-    result.translations = greedy_translate(model, pairs, tok)
-    result.correct = sum(t == en for t, (_, en) in zip(result.translations, pairs))
-    return result, model
+    order = torch.randperm(len(pairs), generator=run.order_gen).tolist()
+    total, count = 0.0, 0
+    for b in range(0, len(pairs), batch_size):
+        x, y = make_batch([pairs[i] for i in order[b : b + batch_size]], tok)
+        logits = run.model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        run.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        run.opt.step()
+        run.sched.step()
+        n_tokens = int((y != -100).sum())
+        total, count = total + loss.item() * n_tokens, count + n_tokens
+    run.result.seconds += time.perf_counter() - start
+    run.result.losses.append(total / count)
+
+
+def train_alternating(names, pairs, tok, args) -> dict:
+    """Trains the models ``names`` in alternation, one epoch of each in turn (the turn order
+    reversed every other epoch), so that load on a shared machine hits every model alike
+    and their time ratios compare like with like. Returns ``{name: Run}``."""
+    runs = {name: start_run(name, len(tok.itos), len(pairs), args) for name in names}
+    bar = tqdm(range(args.epochs), desc="epochs", unit="ep", leave=True, dynamic_ncols=True, mininterval=0.5)
+    for epoch in bar:
+        for name in names if epoch % 2 == 0 else reversed(names):
+            train_epoch(runs[name], pairs, tok, args.batch_size)
+        bar.set_postfix_str(" ".join(f"{n} {r.result.losses[-1]:.4f}" for n, r in runs.items()))
+    for run in runs.values():
+        run.model.eval()
+        run.result.translations = greedy_translate(run.model, pairs, tok)
+        run.result.correct = sum(t == en for t, (_, en) in zip(run.result.translations, pairs))
+    return runs
 
 
 def mean_depth_weights(model, pairs, tok) -> torch.Tensor:
@@ -200,7 +229,8 @@ def report(results: dict, pairs, epochs: int) -> str:
         for r in results.values()
     ]
     out += [
-        "Time and accuracy",
+        "Time and accuracy (the models train in alternation, one epoch of each in turn; train s: the sum of a "
+        "model's epoch wall times)",
         format_table(["model", "train s", "vs Standard", "exact match", "final loss"], rows),
         "",
     ]
@@ -274,11 +304,10 @@ def run(argv=None) -> dict:
         f"blocks={args.blocks}, epochs={args.epochs}, depth-attention backend: {backend} ({ak.build_info()}), "
         f"torch threads: {torch.get_num_threads()}"
     )
-    results, heatmaps = {}, {}
-    for name in [m for m in MODEL_NAMES if m in args.models]:
-        results[name], model = train(name, pairs, tok, args)
-        if name != "Standard":
-            heatmaps[name] = mean_depth_weights(model, pairs, tok)
+    names = [m for m in MODEL_NAMES if m in args.models]
+    runs = train_alternating(names, pairs, tok, args)
+    results = {name: run.result for name, run in runs.items()}
+    heatmaps = {name: mean_depth_weights(run.model, pairs, tok) for name, run in runs.items() if name != "Standard"}
     text = report(results, pairs, args.epochs)
     print("\n" + text)
     paths = plot(results, heatmaps, args.out)

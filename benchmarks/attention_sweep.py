@@ -255,15 +255,14 @@ def ratio(a, b) -> str:
 def write_report(results: dict, path: str) -> None:
     meta = results["meta"]
     lines = [
-        "# CPU benchmark: fused attention",
-        "",
-        f"Measured by `python benchmarks/attention_sweep.py` on {meta['cpu']}, "
-        f"{meta['threads']} torch threads, torch {meta['torch']}, {meta['build_info']}. "
-        "The machine is shared with other jobs (per row below: load before → after). "
-        "Compare ratios within a row, not absolute times across runs.",
+        meta["header"],
+        f"{meta['threads']} torch threads. The rows come from the runs below (an `--append` run adds rows to the "
+        "report; the header above is the last run's); per row below: load before → after. Compare ratios within a "
+        "row, not absolute times across runs.",
         "",
         *(
-            f"- {run['date']} `{' '.join(run['args']) or '(no options)'}`: load average (1 min) "
+            f"- {run['date']}, commit {run.get('commit', 'not recorded')}, "
+            f"`{' '.join(run['args']) or '(no options)'}`: load average (1 min) "
             f"{run['load_start']:.1f} at the start, {run['load_end']:.1f} at the end"
             for run in meta["runs"]
         ),
@@ -387,6 +386,9 @@ def main() -> None:
     from tqdm import tqdm
 
     ak, reference = package()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import git_commit, report_header
+
     if "cpu" not in ak.available_backends("cpu"):
         raise SystemExit(f"the C++ attention kernels are not available: {ak.build_info()}")
     torch._dynamo.config.recompile_limit = 1024  # one compiled graph per shape
@@ -395,7 +397,12 @@ def main() -> None:
         for causal in (False, True)
     }
     lengths = args.lengths or (LENGTHS[:2] if args.quick else LENGTHS)
-    run = {"date": time.strftime("%Y-%m-%d %H:%M"), "args": sys.argv[1:], "load_start": os.getloadavg()[0]}
+    run = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": git_commit(),
+        "args": sys.argv[1:],
+        "load_start": os.getloadavg()[0],
+    }
     json_path = os.path.splitext(args.out)[0] + ".json"
     if args.append:
         with open(json_path) as f:
@@ -411,6 +418,7 @@ def main() -> None:
         }
         results = {"meta": meta, "timings": []}
     meta["runs"].append(run)
+    meta["header"] = report_header("CPU benchmark: fused attention")
     shapes = [
         (d, c == "yes", t, dh) for d in args.dtypes for c in args.causal for dh in args.head_dims for t in lengths
     ]

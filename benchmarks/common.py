@@ -1,8 +1,13 @@
-"""Helpers shared by the pytest-benchmark suite and the sweep script."""
+"""Helpers shared by the pytest-benchmark suite and the benchmark scripts."""
 
 from __future__ import annotations
 
+import datetime
+import os
+import shlex
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -28,6 +33,52 @@ def cpu_description() -> str:
 
 
 FLAG_NAMES = (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX-BF16"))
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit() -> str:
+    """The checkout's commit, marked when tracked files other than the reports differ from it."""
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    if head.returncode:
+        return "unknown (not a git checkout)"
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)benchmarks/results").returncode != 0
+    return head.stdout.strip() + (" with uncommitted changes" if dirty else "")
+
+
+def load_average() -> str:
+    """The 1 / 5 / 15 minute load averages, or "unknown"."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def report_header(title: str, argv: list | None = None, device: str | None = None) -> str:
+    """The first lines of a report: its title, then the command that wrote it (the running script,
+    relative to the repository root when inside it, with ``argv``, by default ``sys.argv[1:]``), the
+    commit, date, device (by default the CPU), software and the load average."""
+    script = os.path.abspath(sys.argv[0])
+    if script.startswith(REPO_ROOT + os.sep):
+        script = os.path.relpath(script, REPO_ROOT)
+    command = shlex.join(["python", script, *(sys.argv[1:] if argv is None else argv)])
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"# {title}",
+        "",
+        f"- command: `{command}`",
+        f"- commit: {git_commit()}",
+        f"- date: {date}",
+        f"- device: {device or cpu_description()}, {os.cpu_count()} logical CPUs",
+        f"- software: torch {torch.__version__}, Python {sys.version.split()[0]}; {ak.build_info()}",
+        f"- load average (1 / 5 / 15 min) at the start: {load_average()}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def run_times(fn, min_runs: int = 5, min_seconds: float = 0.5, warmup: int = 1, setup=None) -> list:

@@ -36,7 +36,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import attnres_kernels as ak
+
+from common import report_header
 
 try:
     from tqdm import tqdm
@@ -87,6 +90,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
+    header = report_header("Decode speed", argv)
 
     models = {(name, att): build(name, args.backend, att) for att in args.attention for name in args.models}
     gen = torch.Generator().manual_seed(0)
@@ -169,8 +173,7 @@ def main(argv=None) -> None:
     print(table)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        command = " ".join(["python benchmarks/decode.py", *(sys.argv[1:] if argv is None else argv)])
-        f.write(f"# Decode speed\n\n`{command}`\n\n{table}\n")
+        f.write(f"{header}\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 import attnres_kernels as ak
 
-from common import cpu_description
+from common import report_header
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_step.md")
 SAMPLE_SECONDS = 0.002
@@ -100,62 +100,71 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
+    parser.add_argument(
+        "--kv-heads", nargs="+", type=int, default=None, help="key/value head counts (default: --heads and 2)"
+    )
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--output", default=RESULTS)
     args = parser.parse_args(argv)
-    kv_heads = args.kv_heads or args.heads
+    kv_head_counts = args.kv_heads or list(dict.fromkeys([args.heads, 2]))
+    title = report_header("Decode-step attention", argv)
     load_before = os.getloadavg()
 
     lines = [
-        "| dtype | threads | B | keys | ours (µs) | SDPA (µs) | SDPA / ours | ours GB/s | copy GB/s | % of copy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kv heads | dtype | threads | B | keys | ours (µs) | SDPA (µs) | SDPA / ours | ours GB/s | copy GB/s "
+        "| % of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    cases = [
+        (kv_heads, threads, dtype_name, batch, keys)
+        for kv_heads in kv_head_counts
+        for threads in args.threads
+        for dtype_name in args.dtypes
+        for batch in args.batch_sizes
+        for keys in args.lengths
     ]
     with torch.no_grad():
-        for threads in args.threads:
+        for kv_heads, threads, dtype_name, batch, keys in cases:
             torch.set_num_threads(threads)
             clock = time.thread_time if threads == 1 else time.perf_counter
-            for dtype_name in args.dtypes:
-                dtype = getattr(torch, dtype_name)
-                for batch in args.batch_sizes:
-                    for keys in args.lengths:
-                        fns, kv_bytes = make_case(batch, args.heads, kv_heads, keys, args.head_dim, dtype)
-                        ours, sdpa = fns["ours"](), fns["sdpa"]()
-                        torch.testing.assert_close(ours, sdpa, atol=2e-2, rtol=2e-2)
-                        if threads == 1:
-                            times = measure(fns, args.rounds, clock, single_calls=False)
-                            med = {name: statistics.median(t) for name, t in times.items()}
-                            ratio = statistics.median(s / o for s, o in zip(times["sdpa"], times["ours"]))
-                        else:  # the fastest single call: one that had every core
-                            times = measure(fns, args.rounds * MULTI_THREAD_ROUNDS, clock, single_calls=True)
-                            med = {name: min(t) for name, t in times.items()}
-                            ratio = med["sdpa"] / med["ours"]
-                        ours_gbs = kv_bytes / med["ours"] / 1e9
-                        copy_gbs = 2 * kv_bytes / med["copy"] / 1e9
-                        line = (
-                            f"| {dtype_name} | {threads} | {batch} | {keys} | {med['ours'] * 1e6:.1f} | "
-                            f"{med['sdpa'] * 1e6:.1f} | {ratio:.2f} | {ours_gbs:.1f} | {copy_gbs:.1f} | "
-                            f"{100 * ours_gbs / copy_gbs:.0f} % |"
-                        )
-                        print(line, flush=True)
-                        lines.append(line)
+            dtype = getattr(torch, dtype_name)
+            fns, kv_bytes = make_case(batch, args.heads, kv_heads, keys, args.head_dim, dtype)
+            ours, sdpa = fns["ours"](), fns["sdpa"]()
+            torch.testing.assert_close(ours, sdpa, atol=2e-2, rtol=2e-2)
+            if threads == 1:
+                times = measure(fns, args.rounds, clock, single_calls=False)
+                med = {name: statistics.median(t) for name, t in times.items()}
+                ratio = statistics.median(s / o for s, o in zip(times["sdpa"], times["ours"]))
+            else:  # the fastest single call: one that had every core
+                times = measure(fns, args.rounds * MULTI_THREAD_ROUNDS, clock, single_calls=True)
+                med = {name: min(t) for name, t in times.items()}
+                ratio = med["sdpa"] / med["ours"]
+            ours_gbs = kv_bytes / med["ours"] / 1e9
+            copy_gbs = 2 * kv_bytes / med["copy"] / 1e9
+            line = (
+                f"| {kv_heads} | {dtype_name} | {threads} | {batch} | {keys} | {med['ours'] * 1e6:.1f} | "
+                f"{med['sdpa'] * 1e6:.1f} | {ratio:.2f} | {ours_gbs:.1f} | {copy_gbs:.1f} | "
+                f"{100 * ours_gbs / copy_gbs:.0f} % |"
+            )
+            print(line, flush=True)
+            lines.append(line)
     load_after = os.getloadavg()
     header = (
-        f"One decode step: B x {args.heads} query heads ({kv_heads} kv heads), 1 query each, Dh={args.head_dim}, "
-        f"over Tk cached keys. 1 thread: median of {args.rounds} interleaved rounds of ~2 ms samples timed by the "
-        "thread's CPU time, SDPA / ours = median of the per-round ratios. More threads: the fastest of "
+        f"One decode step: B x {args.heads} query heads (grouped over `kv heads` key/value heads), 1 query each, "
+        f"Dh={args.head_dim}, over Tk cached keys. 1 thread: median of {args.rounds} interleaved rounds of ~2 ms "
+        "samples timed by the thread's CPU time, SDPA / ours = median of the per-round ratios. More threads: the "
+        "fastest of "
         f"{args.rounds * MULTI_THREAD_ROUNDS} interleaved single calls by wall clock (the cores are shared: a call "
         "that waits for a core held by another process is not the kernel's time), SDPA / ours = ratio of those. "
         "GB/s: ours = K/V bytes read / time; copy = a `copy_` of the same K/V bytes into a reused buffer, (read + "
-        f"written) / time. CPU: {cpu_description()}. Load average (1, 5, 15 min) before: "
+        "written) / time. Load average (1, 5, 15 min) before: "
         f"{', '.join(f'{x:.2f}' for x in load_before)}; after: {', '.join(f'{x:.2f}' for x in load_after)}."
     )
     table = header + "\n\n" + "\n".join(lines)
     os.makedirs(os.path.dirname(args.output), exist_ok=True)
     with open(args.output, "w") as f:
-        command = " ".join(["python benchmarks/decode_step.py", *(sys.argv[1:] if argv is None else argv)])
-        f.write(f"# Decode-step attention\n\n`{command}`\n\n{table}\n")
+        f.write(f"{title}\n{table}\n")
     print(table)
 
 

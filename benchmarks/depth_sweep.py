@@ -28,7 +28,6 @@ Writes ``depth_sweep.md``, ``depth_sweep_time.png`` (step time vs L) and ``depth
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
@@ -43,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # model_steps.py, common.py
 import model_steps
 
-from common import cpu_description, saved_activation_bytes
+from common import report_header, saved_activation_bytes
 
 D_MODEL, N_HEADS = 256, 4
 # (label, model_steps model name, depth-read backend); Standard has no depth read.
@@ -99,7 +98,6 @@ def main(argv=None) -> None:
     parser.add_argument("--n-sweep-depth", type=int, default=24)
     parser.add_argument("--n-sweep", type=int, nargs="+", default=[2, 4, 8], help="block counts N at that depth")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--note", default="", help="a line on the run, written into the report")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     vocab, x, y = model_steps.batch("d256")
@@ -108,12 +106,9 @@ def main(argv=None) -> None:
     elem = 4 * D_MODEL  # bytes of d fp32 elements
 
     lines = [
-        "# Depth sweep: train-step time and extra saved activations vs depth",
-        "",
-        f"{datetime.date.today()}, {cpu_description()}, torch {torch.__version__}, "
+        report_header("Depth sweep: train-step time and extra saved activations vs depth", argv),
         f"1 torch thread, step time = thread CPU time, {args.rounds} rounds round-robin per depth. "
-        f"Load average (1, 5, 15 min) before the run: {', '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-        "after: LOAD_AFTER. " + args.note,
+        "Load average at the end: LOAD_AFTER.",
         "",
         f"d={D_MODEL}, {N_HEADS} heads, B={args.batch}, T={x.shape[1]} ({tokens} tokens), attention sdpa, "
         f"Block S={args.block_size} layers per block (N = L/S), "
@@ -226,7 +221,7 @@ def main(argv=None) -> None:
         fig.tight_layout()
         fig.savefig(os.path.join(args.out, f"depth_sweep_{kind}.png"), dpi=110)
         plt.close(fig)
-    lines[2] = lines[2].replace("LOAD_AFTER", ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+    lines[1] = lines[1].replace("LOAD_AFTER", " / ".join(f"{x:.2f}" for x in os.getloadavg()))
     with open(os.path.join(args.out, "depth_sweep.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

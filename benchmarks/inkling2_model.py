@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -34,12 +33,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # common.py
 
 import transformers  # noqa: E402
 from transformers.models.inkling2 import modeling_inkling2 as hf_inkling2  # noqa: E402
 
 from attnres_kernels import hf  # noqa: E402
 from attnres_kernels.hf import inkling2  # noqa: E402
+
+from common import report_header  # noqa: E402
 
 READ, NORM, ATTN = "attnres_read", "attnres_norm", "self_attn"
 VARIANTS = ("unpatched", "reads", "reads+norms")
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
     path = tempfile.mkdtemp(prefix="inkling2_bench_")
     make_model(args).save_pretrained(path)
     ids = torch.randint(1, 2000, (args.batch, args.tokens), generator=torch.Generator().manual_seed(1))
-    sections = [header(args)]
+    sections = [header(args, argv)]
     try:
         for dtype_name in args.dtype:
             sections.append(run(args, path, ids, getattr(torch, dtype_name)))
@@ -238,15 +240,11 @@ def run(args, path, ids, dtype) -> str:
     return section(dtype, cpu, wall, profiled, errors, load_before, os.getloadavg())
 
 
-def header(args) -> str:
+def header(args, argv) -> str:
     return "\n".join(
         [
-            "# Inkling2ForCausalLM training step, patched vs unpatched (CPU)",
-            "",
-            f"`python benchmarks/inkling2_model.py --threads {args.threads} --rounds {args.rounds} "
-            f"--profiled {args.profiled}` — "
-            f"transformers {transformers.__version__}, torch {torch.__version__}, {args.threads} thread(s), "
-            f"{platform.processor() or platform.machine()}, a shared 2-core machine. Random model: hidden "
+            report_header("Inkling2ForCausalLM training step, patched vs unpatched (CPU)", argv),
+            f"transformers {transformers.__version__}, {args.threads} torch thread(s). Random model: hidden "
             f"{args.hidden}, {args.layers} layers (full attention every 4th), AttnRes blocks of {args.block} layers, "
             f"4 experts (top 2), vocab 2048; B = {args.batch}, T = {args.tokens}. Step = forward with labels + "
             f"backward + AdamW; {args.rounds} interleaved rounds, then {args.profiled} profiled steps per variant. "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -28,8 +27,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # common.py
 
 from attnres_kernels.hf import apply_attnres_kernels  # noqa: E402
+
+from common import report_header  # noqa: E402
 
 
 def make_module(dim: int, num_queries: int) -> torch.nn.Module:
@@ -102,17 +104,15 @@ def bench(args, num_queries: int, partial_dtype: torch.dtype) -> dict:
     )
 
 
-def markdown(args, rows: list, load: tuple) -> str:
+def markdown(args, title: str, rows: list, load: tuple) -> str:
     ms = lambda ts: f"{statistics.median(ts) * 1e3:.1f} [{min(ts) * 1e3:.1f}, {max(ts) * 1e3:.1f}]"
     mib = lambda b: f"{b / 2**20:.1f}"
     lines = [
-        "# One Inkling2 read module, patched vs unpatched (CPU)",
-        "",
-        f"`python benchmarks/inkling2_read.py` — T = {args.tokens} tokens, D = {args.dim}, {args.blocks} committed "
+        title,
+        f"T = {args.tokens} tokens, D = {args.dim}, {args.blocks} committed "
         f"bf16 blocks + the partial sum, fp32 output; forward + backward, {args.rounds} interleaved rounds, "
-        f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-        f"{platform.processor() or platform.machine()}. "
-        f"Load average before / after: {load[0]:.2f} / {load[1]:.2f}.",
+        f"{torch.get_num_threads()} torch threads. "
+        f"Load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}.",
         "",
         "| Q | partial | unpatched ms, median [min, max] | patched ms | speedup "
         "| saved MiB unpatched | patched | ratio |",
@@ -144,9 +144,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "inkling2_read.md"))
     args = parser.parse_args(argv)
+    title = report_header("One Inkling2 read module, patched vs unpatched (CPU)", argv)
     load_before = os.getloadavg()[0]
     rows = [bench(args, q, dt) for q in (1, 3) for dt in (torch.bfloat16, torch.float32)]
-    report = markdown(args, rows, (load_before, os.getloadavg()[0]))
+    report = markdown(args, title, rows, (load_before, os.getloadavg()[0]))
     print(report)
     if args.out:
         with open(args.out, "w") as f:

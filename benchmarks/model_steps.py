@@ -5,6 +5,9 @@ schedule, activation memory with and without checkpointing, and ``torch.compile`
     python benchmarks/model_steps.py memory  [--config d256]
     python benchmarks/model_steps.py compile [--config demo] [--rounds 20]
 
+``--out FILE`` appends the output as a section (with the command, commit, date and
+device) to a Markdown report, created when missing.
+
 Configs: ``demo`` is the demo's (d=128, L=6, 4 heads, 3 blocks, one batch of 10
 pairs of the demo data); ``d256`` is d=256, L=12, 4 heads, 3 blocks, B=4, T=128
 (random tokens, vocab 64). A model is named ``Standard``, ``Full:C`` (chunk
@@ -31,6 +34,8 @@ step and the step times after it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import statistics
 import subprocess
@@ -45,13 +50,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import attnres_kernels as ak
 from attnres_kernels.demo import CharTokenizer, load_pairs, make_batch
 
-from common import saved_activation_bytes
+from common import report_header, saved_activation_bytes
 
 CONFIGS = {
     "demo": dict(d_model=128, n_layers=6, n_heads=4, layers_per_block=2),
     "d256": dict(d_model=256, n_layers=12, n_heads=4, layers_per_block=4),
 }
 DEFAULT_MODELS = ["Standard", "Full:1", "Full:2", "Full:4", "Full:6", "Block:per_site", "Block:two_phase"]
+# The title of a report the commands append their sections to (benchmarks/results/models.md).
+REPORT_COMMANDS = "`benchmarks/model_steps.py` steps, memory and compile, one section each"
 
 
 def batch(config: str):
@@ -193,6 +200,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--checkpoint", action="store_true", help="(rss) build the model with checkpoint=True")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: thread CPU time)")
+    parser.add_argument("--out", help="also append the output as a section of this Markdown report")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.models = args.models or (
@@ -200,12 +208,22 @@ def main(argv=None) -> None:
     )
     if args.command == "rss":
         return cmd_rss(args)
-    print(
-        f"# {args.command}, config {args.config} {CONFIGS[args.config]}, depth backend {args.backend}, "
-        f"attention {args.attention}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"clock: {'thread CPU time' if torch.get_num_threads() == 1 else 'wall'}"
-    )
-    {"steps": cmd_steps, "memory": cmd_memory, "compile": cmd_compile}[args.command](args)
+    header = report_header(f"{args.command}, config {args.config}", argv).replace("# ", "## ", 1)
+    output = io.StringIO()
+    with contextlib.redirect_stdout(output):
+        print(
+            f"Config {args.config}: {CONFIGS[args.config]}, depth backend {args.backend}, attention "
+            f"{args.attention}, {torch.get_num_threads()} torch threads, clock: "
+            f"{'thread CPU time' if torch.get_num_threads() == 1 else 'wall'}.\n"
+        )
+        {"steps": cmd_steps, "memory": cmd_memory, "compile": cmd_compile}[args.command](args)
+    print(output.getvalue(), end="")
+    if args.out:
+        new_report = not os.path.exists(args.out)
+        with open(args.out, "a", encoding="utf-8") as f:
+            if new_report:
+                f.write(f"# Model-level measurements ({REPORT_COMMANDS})\n\n")
+            f.write(f"{header}\n{output.getvalue()}\n")
 
 
 if __name__ == "__main__":

@@ -36,17 +36,19 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attnres_kernels as ak
 from attnres_kernels._validation import PAPER_READ
-from attnres_kernels.ops import depth as depth_ops
+from attnres_kernels.ops.depth_attention import read_unchecked
 
 from common import (
     cpu_description,
     empty_output_cache,
     forward_backward,
     fused_read,
+    load_average,
     make_read_inputs,
     median_seconds,
     read_bytes,
     reference_read,
+    report_header,
     run_times,
     saved_activation_bytes,
     spread,
@@ -198,7 +200,7 @@ def bench_small_reads():
                 return ak.depth_attention(query, sources, norm_weight, out_norm_weight=g_out, backend="cpu")
 
             def unchecked():
-                return depth_ops.read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
+                return read_unchecked("cpu", sources, query, norm_weight, out_norm_weight=g_out)
 
             rms_in = torch.randn(*lead, dim, requires_grad=True)
             rms_weight = torch.ones(dim, requires_grad=True)
@@ -406,12 +408,9 @@ def read_report_lines(reads, small_reads, backward=None):
 
 def write_report(path, reads, small_reads, models, meta, backward=None):
     lines = [
-        "# CPU benchmark: depth attention and AttnRes training steps",
-        "",
-        f"Measured by `python benchmarks/sweep.py` on {meta['date']}: {meta['cpu']}, "
-        f"{meta['threads']} torch threads, torch {meta['torch']}, {meta['build']}; load average "
-        f"{meta['load_before']} before and {meta['load_after']} after the run. "
-        "Shared machine: compare ratios within this run, not absolute times across runs.",
+        meta["header"],
+        f"{meta['threads']} torch threads; load average {meta['load_after']} at the end. "
+        "Compare ratios within this run, not absolute times across runs.",
         "",
         *read_report_lines(reads, small_reads, backward),
     ]
@@ -435,13 +434,6 @@ def write_report(path, reads, small_reads, models, meta, backward=None):
         f.write("\n".join(lines) + "\n")
 
 
-def load_average() -> str:
-    try:
-        return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "unknown"
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "cpu.md"))
@@ -451,6 +443,7 @@ def main(argv=None):
     parser.add_argument("--reads-only", action="store_true", help="skip the model training steps")
     args = parser.parse_args(argv)
     meta = dict(
+        header=report_header("CPU benchmark: depth attention and AttnRes training steps"),
         date=time.strftime("%Y-%m-%d"),
         cpu=cpu_description(),
         threads=torch.get_num_threads(),

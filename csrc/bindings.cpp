@@ -31,7 +31,7 @@ TORCH_LIBRARY(attnres, m) {
   m.def(
       "block_step_bwd_differentiable(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, "
       "Tensor new_partial, Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, "
-      "Tensor? out_norm_weight, float eps, int? key_rank=None) -> Tensor[]");
+      "Tensor? out_norm_weight, float eps, int? key_rank) -> Tensor[]");
   m.def(schema::kAttnFwd);
   m.def(schema::kAttnBwd);
   // The gradients of attn_fwd (grad_q, grad_k, grad_v) as a differentiable function of q, k, v and

@@ -29,14 +29,14 @@ inline constexpr const char* kDepthAttnBwd =
 // one site's [D] ([R] with key_rank = R < D: sliced low-rank keys). Returns (new_partial, out, lse, logit, rinv).
 inline constexpr const char* kBlockStepFwd =
     "block_step_fwd(Tensor? partial, Tensor update, Tensor query, Tensor? norm_weight, Tensor prefix_out, "
-    "Tensor prefix_lse, Tensor? out_norm_weight, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, "
+    "Tensor prefix_lse, Tensor? out_norm_weight, float eps, int? key_rank) -> (Tensor, Tensor, Tensor, Tensor, "
     "Tensor)";
 // Returns (grad_new_partial (the total: incoming + the read's), grad_query,
 // grad_norm_weight, grad_prefix_out, grad_prefix_lse, grad_out_norm_weight).
 inline constexpr const char* kBlockStepBwd =
     "block_step_bwd(Tensor? grad_new_partial, Tensor? grad_out, Tensor? grad_lse, Tensor new_partial, "
     "Tensor query, Tensor? norm_weight, Tensor prefix_out, Tensor prefix_lse, Tensor? out_norm_weight, "
-    "Tensor logit, Tensor rinv, float eps, int? key_rank=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
+    "Tensor logit, Tensor rinv, float eps, int? key_rank) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)";
 
 // Fused attention (DESIGN.md §2.4): q [B, H, Tq, Dh], k/v [B, Hkv, Tk, Dh] (H % Hkv == 0),
 // key_padding_mask bool [B, Tk] (True = a real key). Returns out [B, H, Tq, Dh] (q's dtype) and

@@ -117,6 +117,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def cuda_emulation(monkeypatch):
+    """The CUDA backend on CPU tensors: its kernels run under the SIMT harness (``ATTNRES_CUDA_EMULATE=1``),
+    with the launches of earlier tests dropped from the launch log. A module of such tests says
+    ``pytestmark = pytest.mark.usefixtures("cuda_emulation")``."""
+    from attnres_kernels.cuda import emulation
+
+    monkeypatch.setenv(emulation.ENV, "1")
+    reason = emulation.load()
+    assert reason is None, reason
+    emulation.launch_log()  # drop the launches of earlier tests
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """A fresh random seed per test and run, printed so that a failure can be replayed

@@ -56,6 +56,19 @@ def site_params(q, d, dtype=torch.float32):
     )
 
 
+def model_variants(chunk_size: int = 3) -> dict:
+    """The nn models as the tests build them, every schedule of every model: name -> (class name in
+    ``attnres_kernels.nn`` and ``attnres_kernels.reference``, the nn constructor's keyword arguments).
+    ``chunk_size``: the sites per multi-query read of the chunked Full model."""
+    return {
+        "Standard": ("StandardTransformer", {}),
+        "Full": ("FullAttnResTransformer", {"chunk_size": 1}),
+        "Full-chunked": ("FullAttnResTransformer", {"chunk_size": chunk_size}),
+        "Block-per-site": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "per_site"}),
+        "Block-two-phase": ("BlockAttnResTransformer", {"layers_per_block": 2, "schedule": "two_phase"}),
+    }
+
+
 # A fused kernel rounds in a different order than PyTorch: its max error is
 # typically 0.3x-2.5x that of the same-precision reference.
 ERROR_FACTOR = 3.0
@@ -116,13 +129,13 @@ def spawn_ranks(worker, world: int, args: tuple, timeout_s: float) -> None:
 
 
 def run_check_in_subprocess(module: str, call: str, env: dict[str, str | None]) -> None:
-    """Runs ``module.call`` (a check function of a test module, which raises on failure) in a fresh
-    Python process whose environment is this one's with ``env`` applied (None unsets a variable):
-    for settings the native ops read once per process, seeded with this test's seed (a fresh
-    process's torch seed is random, so a failure could not be replayed). Fails the test unless
-    the check passed."""
-    tests = Path(__file__).resolve().parent
-    child_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])}
+    """Runs ``module.call`` (a check function of a test module, named as imported: its ``__name__``,
+    which raises on failure) in a fresh Python process whose environment is this one's with ``env``
+    applied (None unsets a variable): for settings the native ops read once per process, seeded with
+    this test's seed (a fresh process's torch seed is random, so a failure could not be replayed).
+    Fails the test unless the check passed."""
+    root = Path(__file__).resolve().parents[1]
+    child_env = {**os.environ, "PYTHONPATH": str(root)}
     for name, value in env.items():
         if value is None:
             child_env.pop(name, None)

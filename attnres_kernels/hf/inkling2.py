@@ -70,10 +70,17 @@ def check_transformers(check_version: bool = True, names=_READ_CLASSES + _LAYER_
         )
     changed = [name for name in names if fingerprint(getattr(hf_inkling2, name, None)) != FINGERPRINTS[name]]
     if changed:
+        if any(name in _READ_CLASSES for name in changed):
+            advice = "the read patch does not apply either (the read module changed)"
+        else:
+            advice = (
+                "the read patch alone still applies: apply_attnres_kernels(model, fuse_norms=False) patches the "
+                "reads and leaves the decoder layers unpatched"
+            )
         raise UnsupportedTransformersError(
             f"the Inkling2 code of transformers {transformers.__version__} differs from the code attnres_kernels.hf "
             f"was written against (transformers {', '.join(TESTED_TRANSFORMERS_VERSIONS)}): {', '.join(changed)} "
-            "changed; not patching (a patch of different code could compute something else)"
+            f"changed; not patching (a patch of different code could compute something else); {advice}"
         )
 
 
@@ -199,6 +206,9 @@ _PATCHED = {
 }
 
 
+_UNPATCHED = {patched: original for original, patched in _PATCHED.items()}
+
+
 def _swap(module, patched_cls) -> None:
     if type(module) is not patched_cls:
         module.__class__ = patched_cls
@@ -237,4 +247,23 @@ def apply(model: torch.nn.Module, backend: str = "auto", fuse_norms: bool = True
     if fuse_norms:
         for layer in layers:
             _swap(layer, _PATCHED[type(layer)])
+    return model
+
+
+def remove(model: torch.nn.Module):
+    """See :func:`attnres_kernels.hf.remove_attnres_kernels`."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"remove_attnres_kernels expects a torch.nn.Module, got {type(model).__name__}")
+    found = False
+    for module in model.modules():
+        original = _UNPATCHED.get(type(module))
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("attnres_backend", None)  # set by apply on each read
+        found = found or isinstance(module, hf_inkling2.Inkling2BlockAttentionResidual)
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} contains no Inkling2BlockAttentionResidual module (no Inkling2 AttnRes read); "
+            "remove_attnres_kernels undoes apply_attnres_kernels on Inkling2 models"
+        )
     return model

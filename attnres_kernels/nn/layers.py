@@ -19,7 +19,7 @@ layers must be one FSDP unit (``fully_shard([layer, ...])``, see the models'
 ``shard_units()``); reading a site whose parameters are still sharded raises
 :class:`ShardedSiteError` instead of failing inside the op.
 
-Each layer's reads run through :func:`attnres_kernels.ops.depth.read_unchecked`:
+Each layer's reads run through :func:`attnres_kernels.ops.depth_attention.read_unchecked`:
 the models guarantee what the public op validates (same-shape sources on one
 device, ``[D]`` site parameters) and resolve the backends once per forward
 (:func:`resolve_backends`), so a read costs one op call.
@@ -38,7 +38,7 @@ from .._validation import ReadOptions
 from .._when_imported import when_imported
 from ..ops import _dispatch, _native, _sharding
 from ..ops.block_step import step_unchecked
-from ..ops.depth import read_unchecked
+from ..ops.depth_attention import read_unchecked
 from ..reference import models as ref
 from .cache import LayerKVCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState

@@ -25,7 +25,10 @@ stage k ``layers[c_k:c_{k+1}]`` and the last stage also ``logits``. A stage's su
 (``embed``, ``layers.<i>``, ``out_site``, ``final_norm``, ``head``): its
 ``named_parameters()`` spell each parameter as ``model.named_parameters()`` does, so
 optimizers, FSDP2 (``fully_shard`` the shard units inside a stage, then
-``stage.submod``) and DCP map one to one.
+``stage.submod``) and DCP map one to one. Under tensor parallelism (the plan of
+:mod:`attnres_kernels.nn.tensor_parallel` applied to the model before its stages are made)
+the tensors crossing a boundary are DTensors on the ``tp`` mesh, sharded on the sequence; the
+stages find that mesh among the model's parameters' (PyTorch's ``get_mesh`` callback).
 
 What crosses the boundary before layer ``c`` is the depth state as a flat tuple of
 tensors, each ``[*batch, D]`` (``[b, T, D]`` per microbatch), in this order
@@ -406,10 +409,30 @@ def pipeline_stages(model, stage_indices, num_stages: int, device, group=None, c
         )
     handoff = _Handoff()
     device = torch.device(device)
+    get_mesh = _mesh_lookup(model)
     return [
-        stage_class(StageModule(model, plans[s], handoff, group_size), s, num_stages, device, group=group)
+        stage_class(
+            StageModule(model, plans[s], handoff, group_size), s, num_stages, device, group=group, get_mesh=get_mesh
+        )
         for s in stage_indices
     ]
+
+
+def _mesh_lookup(model):
+    """The ``get_mesh`` callback of the stages: the device mesh of the model's DTensor parameters
+    whose dim names and layout a received DTensor's metadata names. Under tensor parallelism the
+    depth state crosses a stage boundary as DTensors on the ``tp`` mesh (sharded on the
+    sequence), and the receiving stage rebuilds them on its own copy of that mesh."""
+    meshes = {}
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            meshes[(tuple(mesh.mesh_dim_names or ()), mesh._layout)] = mesh
+
+    def get_mesh(mesh_dim_names, mesh_layout):
+        return meshes.get((tuple(mesh_dim_names), mesh_layout))
+
+    return get_mesh
 
 
 @functools.cache

@@ -40,17 +40,19 @@ class DepthAttentionSite(nn.Module):
     writing their own layers.
 
     Parameters: ``query`` (``w``, zeros: at init the read is the mean of its sources),
-    ``[D]``, or ``[num_queries, D]`` for several queries over the same sources (Inkling2's
-    full-attention layers read 3: q, k and v inputs); ``norm_weight`` (``γ``, ones), or
-    None with ``key_norm_weight=False`` (an unweighted key norm). Names match the reference
-    :class:`attnres_kernels.reference.models.DepthSite` for the defaults, and Inkling2's
-    ``Inkling2BlockAttentionResidual.query`` for the unweighted form.
+    ``[D]`` for one query (``num_queries=1``), ``[num_queries, D]`` for several over the same
+    sources (Inkling2's full-attention layers read 3: q, k and v inputs), the shapes Inkling2's
+    ``Inkling2BlockAttentionResidual(config, num_queries)`` gives its ``query``;
+    ``norm_weight`` (``γ``, ones, the query's shape), or None with ``key_norm_weight=False`` (an
+    unweighted key norm). Names match the reference
+    :class:`attnres_kernels.reference.models.DepthSite` for the defaults, and Inkling2's module
+    for the unweighted form, so each one's state dict loads into the other.
 
     The read's options (see :func:`attnres_kernels.depth_attention`): ``scale`` multiplies the
     logits, ``normalize_values`` makes the values the normalised sources, ``eps`` is the key
     norm's epsilon, ``out_dtype`` the output dtype. The paper's read is the default; Inkling2's
     is ``DepthAttentionSite(d, num_queries=q, key_norm_weight=False, scale=d**-0.5,
-    normalize_values=True, out_dtype=torch.float32)``.
+    normalize_values=True, out_dtype=torch.float32)`` with Inkling2's ``q``.
     """
 
     def __init__(
@@ -59,7 +61,7 @@ class DepthAttentionSite(nn.Module):
         eps: float = 1e-6,
         backend: str = "auto",
         *,
-        num_queries: int | None = None,
+        num_queries: int = 1,
         key_norm_weight: bool = True,
         scale: float = 1.0,
         normalize_values: bool = False,
@@ -68,12 +70,12 @@ class DepthAttentionSite(nn.Module):
         super().__init__()
         if backend not in ops.BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; expected one of {ops.BACKENDS}")
-        if num_queries is not None and not (isinstance(num_queries, int) and num_queries >= 1):
-            raise ValueError(f"`num_queries` must be a positive int or None, got {num_queries!r}")
+        if isinstance(num_queries, bool) or not (isinstance(num_queries, int) and num_queries >= 1):
+            raise ValueError(f"`num_queries` must be a positive int, got {num_queries!r}")
         check_read_options(eps, scale=scale, normalize_values=normalize_values, out_dtype=out_dtype)
         self.eps, self.backend = eps, backend
         self.scale, self.normalize_values, self.out_dtype = scale, normalize_values, out_dtype
-        shape = (d_model,) if num_queries is None else (num_queries, d_model)
+        shape = (d_model,) if num_queries == 1 else (num_queries, d_model)
         self.query = nn.Parameter(torch.zeros(shape))
         self.norm_weight = nn.Parameter(torch.ones(shape)) if key_norm_weight else None
 
@@ -90,9 +92,9 @@ class DepthAttentionSite(nn.Module):
         ``[..., n, D]`` tensor, Inkling2's ``block_states``, read in place through its per-block
         views), followed by ``partial`` when given.
 
-        Returns ``h`` (or ``rmsnorm(h, out_norm_eps) * out_norm_weight``) for a ``[D]`` query, a
-        tuple of one output per query for ``num_queries``; with ``return_weights`` also the
-        weights ``[N, ...]`` (``[Q, N, ...]``)."""
+        Returns ``h`` (or ``rmsnorm(h, out_norm_eps) * out_norm_weight``) for one query, a tuple of
+        one output per query for several; with ``return_weights`` also the weights ``[N, ...]``
+        (``[Q, N, ...]``)."""
         sources = list(sources.unbind(-2) if isinstance(sources, Tensor) else sources)
         if partial is not None:
             sources.append(partial)
@@ -117,7 +119,7 @@ class DepthAttentionSite(nn.Module):
         return result.unbind(0)
 
     def extra_repr(self) -> str:
-        num_queries = None if self.query.dim() == 1 else self.query.shape[0]
+        num_queries = 1 if self.query.dim() == 1 else self.query.shape[0]
         return (
             f"d_model={self.query.shape[-1]}, num_queries={num_queries}, "
             f"key_norm_weight={self.norm_weight is not None}, scale={self.scale}, "

@@ -26,6 +26,8 @@ under tensor parallelism.
 FSDP2 on top (2-D mesh ``("dp", "tp")``): apply the plan on ``mesh["tp"]`` first, then
 ``fully_shard(unit, mesh=mesh["dp"])`` for each of ``model.shard_units()`` and the root
 (:class:`DepthStateGradients` keeps FSDP2's backward hooks on DTensor gradients).
+Pipeline stages on top: apply the plan first, then ``model.pipeline_stages(...)`` (then
+FSDP2 per stage); the depth state crosses a cut as DTensors on the ``tp`` mesh.
 
 Every parameter is a DTensor with a plain ``Shard`` or ``Replicate`` placement, so
 ``full_tensor()``, FSDP2 and DCP (``get_state_dict``) see each in its own layout and a

@@ -1,6 +1,6 @@
 """Public functional API: one module per op family over one shared dispatch module.
 
-- :mod:`.depth`: the depth read, :func:`depth_attention` and :func:`depth_attention_merge`;
+- :mod:`.depth_attention`: the depth read, :func:`depth_attention` and :func:`depth_attention_merge`;
 - :mod:`.attention`: fused causal attention, :func:`attention`;
 - :mod:`.block_step`: the fused Block residual step, :func:`block_step`;
 - :mod:`._dispatch`: backend names and selection (see its docstring for the rules);
@@ -12,7 +12,7 @@ from . import _sharding  # noqa: F401  (DTensor rules of the fused ops: tensor /
 from ._dispatch import BACKENDS, BackendUnavailableError
 from .attention import attention
 from .block_step import block_step
-from .depth import available_backends, depth_attention, depth_attention_merge, resolve_backend
+from .depth_attention import available_backends, depth_attention, depth_attention_merge, resolve_backend
 
 __all__ = [
     "BACKENDS",

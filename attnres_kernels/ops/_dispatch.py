@@ -151,11 +151,11 @@ def _has_cpp_autograd(op: str) -> bool:
 
 def triton_ops():
     """``torch.ops.attnres_triton``: the Triton ops, defined on first use by importing
-    :mod:`attnres_kernels.triton.ops` (which loads Triton), with their fake kernels and
+    :mod:`attnres_kernels.triton.library` (which loads Triton), with their fake kernels and
     autograd registered here, once."""
     global _triton_ops
     if _triton_ops is None:
-        from ..triton import ops  # noqa: F401  (defines the attnres_triton ops)
+        from ..triton import library  # noqa: F401  (defines the attnres_triton ops)
         from . import _registration as reg
 
         namespace = torch.ops.attnres_triton

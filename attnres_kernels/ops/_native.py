@@ -4,7 +4,7 @@ Importing this module loads the extension if it was built. The package works
 without the extension (reference backend only); asking for a native backend
 then raises :class:`~attnres_kernels.ops.BackendUnavailableError` with the reason.
 The fake kernels and autograd of the ops are registered by the op-family
-modules (:mod:`attnres_kernels.ops.depth`, ...).
+modules (:mod:`attnres_kernels.ops.depth_attention`, ...).
 """
 
 from __future__ import annotations

@@ -336,9 +336,7 @@ def register_attention_ops(fwd_name: str, bwd_name: str, bwd_op) -> None:
 # addends), the site parameters, the prefix and the per-row scalars logit and rinv.
 
 
-def fake_block_step_fwd(
-    partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank=None
-):
+def fake_block_step_fwd(partial, update, query, norm_weight, prefix_out, prefix_lse, out_norm_weight, eps, key_rank):
     new_dtype = update.dtype if partial is None else torch.promote_types(partial.dtype, update.dtype)
     out_dtype = torch.promote_types(new_dtype, prefix_out.dtype)
     acc = accumulation_dtype(out_dtype)
@@ -365,7 +363,7 @@ def fake_block_step_bwd(
     logit,
     rinv,
     eps,
-    key_rank=None,
+    key_rank,
 ):
     return (
         torch.empty_like(new_partial, memory_format=torch.contiguous_format),
@@ -411,7 +409,7 @@ def differentiable_block_step_bwd(
     prefix_lse,
     out_norm_weight,
     eps,
-    key_rank=None,
+    key_rank,
 ):
     """``attnres::block_step_bwd_differentiable``: the gradients of ``block_step_fwd``,
     differentiable (by autograd through the reference). The read depends on the addends

@@ -29,7 +29,7 @@ import time
 if os.environ.get("TRITON_INTERPRET", "0") == "1":
     # The check needs real JIT functions, not interpreted ones.
     os.environ["TRITON_INTERPRET"] = "0"
-    if "attnres_kernels.triton.kernels" in sys.modules:
+    if "attnres_kernels.triton.depth_attention_kernels" in sys.modules:
         raise SystemExit("run the AOT check in a fresh process without TRITON_INTERPRET=1")
 
 import torch
@@ -42,9 +42,9 @@ from triton.runtime.jit import create_function_from_signature
 # Modules whose ``aot_launches(dtype)`` lists every launch (an :class:`AotLaunch`
 # per kernel × configuration the dispatcher can choose) of one op family.
 AOT_FAMILIES = (
-    "attnres_kernels.triton.launch",
-    "attnres_kernels.triton.attention_launch",
-    "attnres_kernels.triton.block_step",
+    "attnres_kernels.triton.depth_attention_ops",
+    "attnres_kernels.triton.attention_ops",
+    "attnres_kernels.triton.block_step_ops",
 )
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}

@@ -1,0 +1,1 @@
+"""The benchmark scripts' logic, run without a GPU."""

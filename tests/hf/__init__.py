@@ -1,0 +1,1 @@
+"""The transformers integration (attnres_kernels.hf) on tiny random models."""

@@ -1,0 +1,1 @@
+"""The public ops (depth read, attention, Block step) on every backend against the reference."""
