@@ -35,7 +35,7 @@ Backends:
   CPU tensors (``attnres_kernels.triton.INTERPRETING``) while ``TRITON_INTERPRET`` stays unset, so the
   kernels are ``JITFunction`` objects, not interpreted. All of it is put back on exit. Not counted: the C
   launch itself, and host code that runs only for CUDA tensors (current-stream and device queries
-  through torch.cuda, pinned host-to-device table copies): ``benchmarks/gpu.py --sections host`` times
+  through torch.cuda, pinned host-to-device table copies): ``python -m benchmarks.gpu --sections host`` times
   those on a GPU. The number is the mean of the counts at both shapes below, which differ by a few
   percent: the ATen ops of the launchers (zero fills, ``u = w ⊙ γ``, casts) still run on CPU, and the
   launch tables' cache hits depend on where the allocator put the gradients.
@@ -52,7 +52,7 @@ Backends:
   numbers are less certain.
 - ``cuda`` (the C++/CUDA binding) is not measured: its host code needs a CUDA device, and this CPU
   build of torch has none (the ``cuda`` backend on CPU tensors is the SIMT emulator, a different
-  program). ``benchmarks/gpu.py --sections host`` measures it.
+  program). ``python -m benchmarks.gpu --sections host`` measures it.
 
 valgrind cannot execute AVX-512 instructions, so the counted process imports a copy of the package
 whose C++ extension is an AVX2 build of the same sources (``ATTNRES_CPU_CAPABILITY=avx2``, built
@@ -88,16 +88,20 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.backends.nvidia import driver as nvidia_driver
 from triton.runtime.driver import driver as triton_driver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # common.py
 # The counted process imports a copy of the package with an AVX2 build of its extension (run_callgrind).
 sys.path.insert(0, os.environ.get("HOST_CALLS_PACKAGE_ROOT", ROOT))
 
 import attnres_kernels as ak  # noqa: E402
 import attnres_kernels.triton as triton_backend  # noqa: E402
 from attnres_kernels import reference  # noqa: E402
+
+from common import git_commit, report_header  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 BASELINE = os.path.join(RESULTS, "host_calls_cpu_baseline.json")
@@ -481,26 +485,19 @@ def summarize(rows: list, counts: dict, calls: int) -> list:
     return list(entries.values())
 
 
-def _git(*args) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-
-def environment(args, argv: list) -> dict:
-    from common import cpu_description
-
+def environment(args) -> dict:
+    """What the report's numbers depend on, for the JSON (the Markdown's header says it too)."""
     valgrind = shutil.which("valgrind") and subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
     return dict(
-        commit=_git("rev-parse", "HEAD") + (" (with uncommitted changes)" if _git("status", "--porcelain") else ""),
+        commit=git_commit(),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        cpu=cpu_description(),
-        command=" ".join(["python", "benchmarks/host_calls.py", *argv]),
         python=platform.python_version(),
         torch=torch.__version__,
-        triton=__import__("triton").__version__,
+        triton=triton.__version__,
         valgrind=valgrind.stdout.strip() if valgrind else None,
         calls=args.calls,
-        shapes=f"N={N_SOURCES} sources, M={BATCHES[0] * SEQ} (and {BATCHES[1] * SEQ}) rows, D={DIM}, Q={SITES}; "
-        f"attention B={BATCHES[0]} (and {BATCHES[1]}) H={HEADS} T={SEQ} Dh={HEAD_DIM}; "
+        shapes=f"N={N_SOURCES} sources, M={BATCHES[0] * SEQ} and {BATCHES[1] * SEQ} rows, D={DIM}, Q={SITES}; "
+        f"attention B={BATCHES[0]} and {BATCHES[1]}, H={HEADS}, T={SEQ}, Dh={HEAD_DIM}; "
         f"{str(DTYPE).removeprefix('torch.')} activations, fp32 parameters",
         dry_run=args.dry_run,
     )
@@ -524,14 +521,15 @@ def _k(n) -> str:
     return "–" if n is None else f"{n / 1000:.1f}k"
 
 
-def markdown(env: dict, entries: list, baseline: dict | None) -> str:
+def markdown(header: str, env: dict, entries: list, baseline: dict | None) -> str:
     small = str(BATCHES[0] * SEQ)
     lines = [
-        "# Host instructions per call on CPU (callgrind)",
-        "",
-        f"Commit `{env['commit']}`, {env['date']}; {env['cpu']}; Python {env['python']}, torch {env['torch']}, "
-        f"Triton {env['triton']}, {env['valgrind']}.",
-        f"Command: `{env['command']}` ({env['calls']} counted calls per case). Shapes: {env['shapes']}.",
+        header.rstrip("\n"),
+        "- counted: nothing (dry run)"
+        if env["dry_run"]
+        else f"- counted: {env['valgrind']}, Triton {env['triton']}, {env['calls']} calls per case; the counted "
+        "process imports the C++ extension built for AVX2 (valgrind cannot run AVX-512)",
+        f"- shapes: {env['shapes']}",
         "",
         "Instructions per call (thousands) of the forward (`no_grad`) / forward + `autograd.grad` of every input, "
         "steady state, from `ak.*` down. **triton**: the whole host path with the CUDA driver's launch of each "
@@ -539,8 +537,9 @@ def markdown(env: dict, entries: list, baseline: dict | None) -> str:
         "it. **cpu** (the C++ ops), **reference** (plain PyTorch through the same function), **sdpa**, **torch** "
         "(one `a + b`, the yardstick) run their kernels: their host part is extrapolated to zero rows "
         "(2·I(64 rows) − I(128 rows)) and the count at 64 rows, kernels included, is shown beside it. The **cuda** "
-        "backend (C++/CUDA binding) is not here: its host code needs a CUDA device (`benchmarks/gpu.py --sections "
-        "host`). How it is counted: the docstring of `benchmarks/host_calls.py`.",
+        "backend (C++/CUDA binding) is not here: its host code needs a CUDA device (`python -m benchmarks.gpu "
+        "--sections host`). How it is counted, how well it repeats and where the extrapolation is less certain: "
+        "the docstring of `benchmarks/host_calls.py`.",
         "",
     ]
     if baseline:
@@ -549,11 +548,13 @@ def markdown(env: dict, entries: list, baseline: dict | None) -> str:
             f"× baseline = host instructions now / then (target of the host-path rework: ≤ 0.33).",
             "",
         ]
-    header = "| op | backend | host, forward | host, fwd + bwd | launches (fwd / fwd + bwd) | at 64 rows with kernels |"
+    columns = (
+        "| op | backend | host, forward | host, fwd + bwd | launches (fwd / fwd + bwd) | at 64 rows with kernels |"
+    )
     rule = "|---|---|---:|---:|---:|---:|"
     if baseline:
-        header, rule = header + " × baseline (fwd / fwd + bwd) |", rule + "---:|"
-    lines += [header, rule]
+        columns, rule = columns + " × baseline (fwd / fwd + bwd) |", rule + "---:|"
+    lines += [columns, rule]
     by_key = {(e["op"], e["backend"], e["mode"]): e for e in entries}
     for case in CASES:
         for backend in case.backends:
@@ -585,22 +586,25 @@ def main(argv=None) -> int:
     if args.child:
         _child(args.child, args.calls)
         return 0
+    header = report_header("Host instructions per call on CPU (callgrind)", argv)
     if args.dry_run:
         rows, counts = run_calls(Meter(), 1, 1), {}
     else:
         run_calls(Meter(), 1, 1)  # fails fast, and compiles the Triton kernels natively into Triton's cache
         rows, counts = run_callgrind(args.calls)
     entries = summarize(rows, counts, args.calls)
-    env = environment(args, argv)
+    env = environment(args)
     baseline = _with_baseline(entries, args.baseline)
-    report = markdown(env, entries, baseline)
+    report = markdown(header, env, entries, baseline)
     print(report)
     out = args.out or (None if args.dry_run else RESULTS)
     if out:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "host_calls_cpu.json"), "w") as f:
             json.dump(
-                dict(environment=env, baseline=baseline, entries=entries, regions=rows, counts=counts), f, indent=1
+                dict(header=header, environment=env, baseline=baseline, entries=entries, regions=rows, counts=counts),
+                f,
+                indent=1,
             )
         with open(os.path.join(out, "host_calls_cpu.md"), "w") as f:
             f.write(report)

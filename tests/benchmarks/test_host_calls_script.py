@@ -1,4 +1,4 @@
-"""benchmarks/host_calls.py without valgrind: its dry run drives every op and backend once with Triton's
+"""benchmarks/host_calls.py without valgrind: its dry run calls every op on every backend with Triton's
 launches stubbed and puts the stub back; the arithmetic from callgrind dumps to the report's numbers."""
 
 from __future__ import annotations
@@ -9,32 +9,19 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from benchmarks import host_calls
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def host_calls():
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        import host_calls
-
-        yield host_calls
-    finally:
-        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_dry_run_stubs_triton_launches_and_puts_them_back(host_calls, tmp_path):
+def test_dry_run_stubs_triton_launches_and_puts_them_back(tmp_path):
     # A process of its own: this one runs Triton under its interpreter, which has no launch to stub.
     script = textwrap.dedent(f"""
-        import sys
-        sys.path.insert(0, "benchmarks")
         import torch
         import triton.backends.nvidia.driver as nvidia
         from triton.runtime.driver import driver
         import attnres_kernels as ak
-        import host_calls
+        from benchmarks import host_calls
 
         before = driver._active, nvidia.PyKernelArg
         assert host_calls.main(["--dry-run", "--out", {str(tmp_path)!r}, "--baseline", ""]) == 0
@@ -60,7 +47,7 @@ def test_dry_run_stubs_triton_launches_and_puts_them_back(host_calls, tmp_path):
     assert "| depth read | triton |" in (tmp_path / "host_calls_cpu.md").read_text()
 
 
-def test_counts_become_host_instructions_per_call(host_calls, tmp_path):
+def test_counts_become_host_instructions_per_call(tmp_path):
     """Per call: (region − empty region) / calls; stubbed kernels: the mean over both shapes; kernels that
     run: extrapolated to zero rows; ratios to a baseline's host counts."""
     calls, rows, counts = 10, [], {host_calls.EMPTY: 500}
