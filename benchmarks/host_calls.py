@@ -9,8 +9,8 @@ forward (under ``no_grad``) and of forward + ``torch.autograd.grad`` of every in
 whose host path runs here. Unlike wall time on a shared machine, instruction counts repeat: two runs
 of the same code count exactly the same (valgrind runs the process deterministically, and the child's
 ``PYTHONHASHSEED`` is fixed); a change elsewhere in the process (other code, other allocation addresses)
-moved the host numbers by up to about 2 %, up to 6 % for the reference, whose count is mostly its
-kernels (see below). Only steady-state calls count: every case first runs twice per shape
+moved the Triton rows by under 0.5 %, the others by up to 4 % and the reference, whose count is mostly
+its kernels (see below), by up to 6 %. Only steady-state calls count: every case first runs twice per shape
 without instrumentation (Triton compiles, caches fill), then twice more instrumented, then ``--calls``
 calls between two client requests to callgrind (zero the counters, dump them under the case's label),
 issued from Python through a five-line C helper built with ``valgrind/callgrind.h``. A region of as
