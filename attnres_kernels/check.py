@@ -66,9 +66,8 @@ def _cuda_label(demangled: str) -> tuple:
     """(kernel, dtype column, config column) of a demangled kernel name."""
     m = KERNEL.search(demangled)
     name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
-    if name.startswith("attn_"):  # fused attention: one kernel per storage dtype; WMMA for fp16/bf16 products
-        dtype = ATTENTION_DTYPES[args[0]]
-        return name, dtype, "wmma" if dtype in ("fp16", "bf16") and name != "attn_bwd_rows" else "simt"
+    if name.startswith("attn_"):  # fused attention: per storage dtype (tensor cores: and head-size bucket)
+        return name, ATTENTION_DTYPES[args[0]], f"Dh<={args[1]}" if len(args) > 1 else "-"
     acc = "acc=fp64" if args[0] == "double" else "acc=fp32"
     config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
     if len(args) == 3:  # the Block step: one site, no QT
@@ -101,14 +100,15 @@ def run_cuda(archs, nvcc: str, emit=print) -> tuple:
     if plans.returncode != 0:
         emit(f"{format_line('cuda', 'launch plans', '-', '-', archs[0])} FAILED: {plans.stderr.strip()}")
         return 1, 1
-    shared = dict(line.split("\t") for line in plans.stdout.splitlines())
+    # name, largest dynamic shared memory (attention: for sm_80 code, then for sm_90)
+    shared = {cols[0]: cols[1:] for cols in (line.split("\t") for line in plans.stdout.splitlines())}
     entries = [e for report in reports for e in _ptxas_entries(report)]
     names = _demangle([e[0] for e in entries])
     rows, failures = [], 0
     for (_, arch, regs, spill), demangled in zip(entries, names):
         kernel, acc, config = _cuda_label(demangled)
         key = KERNEL.search(demangled).group(0)
-        smem = int(shared.get(key, -1))
+        smem = int(shared[key][-1 if arch == "sm_90" else 0]) if key in shared else -1
         ok = spill == 0 and regs is not None and smem >= 0
         failures += not ok
         line = format_line("cuda", kernel, acc, config, int(arch[3:]))

@@ -27,7 +27,7 @@ import torch
 ENV = "ATTNRES_CUDA_EMULATE"
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
-SOURCES = [CSRC / "simt" / "simt.cpp", CSRC / "simt" / "emulated_ops.cpp"]
+SOURCES = [CSRC / "simt" / "simt.cpp", CSRC / "simt" / "warp_matrix.cpp", CSRC / "simt" / "emulated_ops.cpp"]
 OPS = frozenset({"depth_attn_fwd", "depth_attn_bwd", "attn_fwd", "attn_bwd", "block_step_fwd", "block_step_bwd"})
 
 _lock = threading.Lock()

@@ -43,7 +43,7 @@ from ..reference import models as ref
 from .cache import LayerKVCache
 from .sites import BlockAttnResState, DepthAttentionSite, FullAttnResState
 
-ATTENTION_BACKENDS = ("sdpa", *ops.BACKENDS)
+ATTENTION_BACKENDS = ops.ATTENTION_BACKENDS
 
 
 class ShardedSiteError(RuntimeError):
@@ -105,8 +105,9 @@ class RMSNorm(ref.RMSNorm):
 
 
 class CausalSelfAttention(ref.CausalSelfAttention):
-    """Causal self-attention on :func:`attnres_kernels.attention` (``attention_backend``
-    one of :data:`attnres_kernels.BACKENDS`) or PyTorch's SDPA (``"sdpa"``)."""
+    """Causal self-attention on :func:`attnres_kernels.attention` (``attention_backend`` one of
+    :data:`attnres_kernels.ops.ATTENTION_BACKENDS`: our kernels, the reference or PyTorch's SDPA;
+    ``"auto"`` picks SDPA on CUDA tensors where it is faster)."""
 
     def __init__(self, d_model: int, n_heads: int, attention_backend: str = "auto"):
         super().__init__(d_model, n_heads)
@@ -117,16 +118,7 @@ class CausalSelfAttention(ref.CausalSelfAttention):
     def attend(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """Causal attention of ``q [B, H, Tq, Dh]`` over ``k, v [B, H, Tk, Dh]``, ``Tk >= Tq``
         (longer with a decode cache): query i sees keys ``j <= i + Tk - Tq`` (bottom-right)."""
-        if self.attention_backend != "sdpa":
-            return ops.attention(q, k, v, causal=True, backend=self.attention_backend)
-        tq, tk = q.shape[-2], k.shape[-2]
-        if tq == tk:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if tq == 1:  # one new token sees every cached key
-            return F.scaled_dot_product_attention(q, k, v)
-        # SDPA's is_causal aligns top-left when Tq != Tk, so the bottom-right mask is explicit.
-        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return ops.attention(q, k, v, causal=True, backend=self.attention_backend)
 
     def forward(self, x: Tensor, kv_cache: LayerKVCache | None = None) -> Tensor:
         """``x [B, T, D]``; with ``kv_cache`` the chunk's keys and values are appended to the

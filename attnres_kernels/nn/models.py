@@ -3,9 +3,9 @@ with the same module tree (state dicts load both ways with ``strict=True``).
 
 Each layer runs its own depth reads (:mod:`attnres_kernels.nn.layers`) through
 the fused depth-read op with the sublayer's PreNorm fused into the read, and
-attention through :func:`attnres_kernels.attention` (or PyTorch's SDPA with
-``attention_backend="sdpa"``). The forward is split so that a pipeline stage
-can run any slice of it::
+attention through :func:`attnres_kernels.attention` on ``attention_backend`` (``"auto"``:
+our kernels on CPU, PyTorch's SDPA on CUDA where it is faster; ``"sdpa"`` always). The
+forward is split so that a pipeline stage can run any slice of it::
 
     state = model.initial_state(model.embed(idx))     # FullAttnResState / BlockAttnResState / a tensor
     for layer in model.layers:
@@ -82,9 +82,8 @@ class _DecoderLM(nn.Module):
         self.d_model, self.n_layers, self.eps = d_model, n_layers, eps
         self.backend, self.checkpoint = backend, checkpoint
         self.attention_backend = attention_backend
-        attention = backend if attention_backend == "auto" else attention_backend
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.layers = nn.ModuleList(make_layer(attention) for _ in range(n_layers))
+        self.layers = nn.ModuleList(make_layer(attention_backend) for _ in range(n_layers))
         if has_sites:
             self.out_site = DepthAttentionSite(d_model, eps, backend)
         self.final_norm = L.RMSNorm(d_model, eps)
@@ -191,8 +190,9 @@ class _DecoderLM(nn.Module):
 
 
 class StandardTransformer(_DecoderLM):
-    """``h = h + attn(norm(h)); h = h + mlp(norm(h))``; ``backend`` is the attention's
-    (``attention_backend="auto"``); the standard model has no depth reads."""
+    """``h = h + attn(norm(h)); h = h + mlp(norm(h))``. The standard model has no depth reads:
+    ``backend`` is taken for the signature the AttnRes models share; attention runs on
+    ``attention_backend``."""
 
     def __init__(
         self,

@@ -10,11 +10,12 @@
 
 from . import _sharding  # noqa: F401  (DTensor rules of the fused ops: tensor / sequence parallel)
 from ._dispatch import BACKENDS, BackendUnavailableError
-from .attention import attention
+from .attention import ATTENTION_BACKENDS, attention
 from .block_step import block_step
 from .depth_attention import available_backends, depth_attention, depth_attention_merge, resolve_backend
 
 __all__ = [
+    "ATTENTION_BACKENDS",
     "BACKENDS",
     "BackendUnavailableError",
     "attention",

@@ -6,6 +6,7 @@
 //
 // A Runtime provides (see depth_attention_ops.h)
 //   void track(const char* group, const at::Tensor&);   harness traffic accounting (CUDA: no-op)
+//   size_t max_shared_bytes();                          the device's opt-in shared memory per block
 //   void launch(name, kernel, grid, block, shared_bytes, args...);
 #pragma once
 
@@ -23,8 +24,12 @@
 
 namespace attnres::cuda {
 
+// A [B, heads, T, Dh] tensor as the kernels read it; `vector` when its rows come in
+// aligned 16-byte runs of 8 elements (the 16-bit dtypes' chunked copies).
 inline HeadView head_view(const at::Tensor& t) {
-  return HeadView{t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+  bool vector = t.stride(3) == 1 && t.size(3) % 8 == 0 && reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  for (int d = 0; d < 3; ++d) vector = vector && (t.stride(d) % 8 == 0 || t.size(d) == 1);
+  return HeadView{t.const_data_ptr(), t.stride(0), t.stride(1), t.stride(2), t.stride(3), vector};
 }
 
 // The fields of AttnParams every attention kernel reads; the launchers add the plan.
@@ -101,14 +106,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(Runtime& rt, const at::T
   }
   const at::Tensor saved_lse = lse.contiguous();
   at::Tensor delta = at::empty({p.batch, p.heads, p.tq}, q.options().dtype(acc));
-  at::Tensor lse_used = at::empty_like(delta);
+  at::Tensor lse_log2 = at::empty_like(delta);
   AttnParams a = attn_params(p, q, k, v, key_padding_mask);
   a.grad_out = head_view(grad_out);
   a.saved_out = head_view(out);
   a.saved_lse = saved_lse.const_data_ptr();
   a.grad_lse = dlse.defined() ? dlse.const_data_ptr() : nullptr;
   a.delta = delta.mutable_data_ptr();
-  a.lse_used = lse_used.mutable_data_ptr();
+  a.lse_log2 = lse_log2.mutable_data_ptr();
   a.grad_q = grad_q.mutable_data_ptr();
   a.grad_k = grad_k.mutable_data_ptr();
   a.grad_v = grad_v.mutable_data_ptr();
@@ -118,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attn_bwd(Runtime& rt, const at::T
                                                                                                 {"lse", &saved_lse},
                                                                                                 {"grad_lse", &dlse},
                                                                                                 {"delta", &delta},
-                                                                                                {"lse_used", &lse_used},
+                                                                                                {"lse_log2", &lse_log2},
                                                                                                 {"grad_q", &grad_q},
                                                                                                 {"grad_k", &grad_k},
                                                                                                 {"grad_v", &grad_v}}) {

@@ -37,6 +37,7 @@ struct CudaRuntime {
   cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
   int num_sms() const { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+  size_t max_shared_bytes() const { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
 
   // The table is staged in pinned memory and copied without synchronizing the stream.
   at::Tensor device_table(const std::vector<RowRef>& refs, const at::Device& device) {

@@ -41,14 +41,14 @@ void* allocate_stack() {
   return p;
 }
 
-[[noreturn]] void fail(const char* what) {
-  std::fprintf(stderr, "simt: %s\n", what);
-  std::abort();
-}
-
 void fiber_main(Fiber* f);
 
 }  // namespace
+
+void fail(const char* what) {
+  std::fprintf(stderr, "simt: %s\n", what);
+  std::abort();
+}
 
 // ------------------------------------------------------------------ context switch
 
@@ -149,6 +149,7 @@ namespace {
 
 void fiber_main(Fiber* f) {
   fiber_body(fiber_arg);
+  if (!f->async_open.empty() || !f->async_groups.empty()) fail("a thread exited with cp.async copies never waited for");
   f->done = true;
   ++current_block->progress;
   switch_to_scheduler(*f);
@@ -206,6 +207,7 @@ void run_grid(const char* name, dim3 grid, dim3 block_dim, size_t dynamic_smem, 
   block.block_dim = block_dim;
   block.grid_dim = grid;
   block.shared = shared;
+  block.shared_bytes = dynamic_smem;
   block.warps.resize((threads + kWarpSize - 1) / kWarpSize);
   block.barrier.expected = threads;
   for (unsigned w = 0; w < block.warps.size(); ++w) {
@@ -220,7 +222,10 @@ void run_grid(const char* name, dim3 grid, dim3 block_dim, size_t dynamic_smem, 
       for (unsigned bx = 0; bx < grid.x && deadlock.empty(); ++bx) {
         block.block_idx = {bx, by, bz};
         block.barrier.arrived = 0;
-        for (auto& w : block.warps) w.barrier.arrived = 0;
+        for (auto& w : block.warps) {
+          w.barrier.arrived = 0;
+          w.collective[0].arrived = w.collective[1].arrived = 0;
+        }
         std::memset(shared, 0xFF, dynamic_smem);
         for (unsigned t = 0; t < threads; ++t) {
           Fiber& f = fibers[t];
@@ -229,6 +234,8 @@ void run_grid(const char* name, dim3 grid, dim3 block_dim, size_t dynamic_smem, 
           f.warp = t / kWarpSize;
           f.shuffle_parity = 0;
           f.done = false;
+          f.async_open.clear();
+          f.async_groups.clear();
           init_context(f);
         }
         current_block = &block;

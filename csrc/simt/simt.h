@@ -22,10 +22,11 @@
 // `__shared__` is deliberately not provided: kernels use dynamic shared memory
 // only, which the harness can poison.
 //
-// WMMA (tensor-core tile products): csrc/simt/wmma.h provides the nvcuda::wmma
-// names the kernels use (m16n16k16 fp16/bf16 fragments, fp32 accumulators,
-// load/store/fill/mma), warp-collective like the real API (a warp barrier per
-// call; every lane must pass the same pointer and ldm), with fp32 accumulation.
+// Tensor-core fragments and asynchronous copies: csrc/simt/warp_matrix.h emulates
+// the PTX instructions of csrc/cuda/mma_primitives.cuh (mma.sync m16n8k16,
+// ldmatrix, cp.async with its commit / wait groups) per lane, with the fragment
+// layouts of the PTX ISA, on top of warp_collective() and the per-thread copy
+// queue below.
 //
 // Counting. simt::track(group, ptr, bytes) names a buffer before a launch; every
 // global access a kernel makes through the device memory layer
@@ -95,6 +96,14 @@ std::vector<LaunchRecord> take_launch_log();
 
 // ------------------------------------------------------------------ runtime state
 
+// One cp.async of a thread: `bytes` to shared memory at `dst`, the first `src_bytes`
+// of them from global memory at `src`, the rest zero.
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  unsigned bytes, src_bytes;
+};
+
 struct Fiber {
   uint3 thread_idx;
   unsigned lane = 0, warp = 0;
@@ -102,6 +111,10 @@ struct Fiber {
   bool done = false;
   void* stack = nullptr;
   void* context = nullptr;  // the saved stack pointer (x86-64) or a ucontext_t*
+  // cp.async: the copies issued since the last commit, and the committed groups, oldest
+  // first, until a wait retires them (warp_matrix.h: when the copies land).
+  std::vector<AsyncCopy> async_open;
+  std::vector<std::vector<AsyncCopy>> async_groups;
 };
 
 struct Barrier {
@@ -109,9 +122,20 @@ struct Barrier {
   uint64_t generation = 0;
 };
 
+// The operands of a warp-collective instruction (warp_collective): what each lane
+// passed, and what each lane gets back. Double-buffered like the shuffle exchange.
+constexpr size_t kCollectiveInBytes = 48, kCollectiveOutBytes = 16;
+struct CollectiveSlot {
+  alignas(16) unsigned char in[kWarpSize][kCollectiveInBytes];
+  alignas(16) unsigned char out[kWarpSize][kCollectiveOutBytes];
+  const char* op[kWarpSize];
+  unsigned arrived = 0;
+};
+
 struct Warp {
   Barrier barrier;
   uint64_t exchange[2][kWarpSize];  // double-buffered: one barrier per shuffle
+  CollectiveSlot collective[2];
 };
 
 struct Block {
@@ -120,6 +144,7 @@ struct Block {
   Barrier barrier;
   std::vector<Warp> warps;
   unsigned char* shared = nullptr;
+  size_t shared_bytes = 0;
   uint64_t progress = 0;  // barrier arrivals and thread exits: the scheduler's deadlock detector
 };
 
@@ -174,6 +199,15 @@ T* dynamic_shared() {
   return reinterpret_cast<T*>(this_block().shared);
 }
 
+// Aborts with `what` (misuse of a primitive the GPU would not report either).
+[[noreturn]] void fail(const char* what);
+
+// Whether [p, p + bytes) lies in the launch's dynamic shared memory.
+inline bool in_shared(const void* p, size_t bytes) {
+  const auto a = reinterpret_cast<uintptr_t>(p), base = reinterpret_cast<uintptr_t>(this_block().shared);
+  return a >= base && a + bytes <= base + this_block().shared_bytes;
+}
+
 // Runs `body` once per thread of every block of `grid`; records the launch.
 void run_grid(const char* name, dim3 grid, dim3 block, size_t dynamic_smem, void (*body)(void*), void* arg);
 
@@ -214,6 +248,40 @@ T shuffle(T value, unsigned source_lane_xor, bool use_xor) {
   const unsigned src = (use_xor ? (f.lane ^ source_lane_xor) : source_lane_xor) % kWarpSize;
   T out;
   std::memcpy(&out, &w.exchange[slot][src], sizeof(T));
+  return out;
+}
+
+// A warp-collective instruction `op`: every lane of the warp passes `in`; once the
+// whole warp has arrived, the last lane to arrive runs `compute(in_of_lane, out_of_lane)`
+// over all 32 lanes (before any lane resumes), and every lane returns its own `out`.
+// Lanes at different instructions (another `op`) are reported; a lane that never
+// arrives deadlocks the block, as on the GPU.
+template <typename Out, typename In, typename F>
+Out warp_collective(const char* op, const In& in, F&& compute) {
+  static_assert(sizeof(In) <= kCollectiveInBytes && sizeof(Out) <= kCollectiveOutBytes);
+  static_assert(std::is_trivially_copyable_v<In> && std::is_trivially_copyable_v<Out>);
+  Fiber& f = this_fiber();
+  Warp& w = this_block().warps[f.warp];
+  CollectiveSlot& slot = w.collective[f.shuffle_parity];
+  f.shuffle_parity ^= 1u;
+  std::memcpy(slot.in[f.lane], &in, sizeof(In));
+  slot.op[f.lane] = op;
+  if (++slot.arrived == w.barrier.expected) {
+    slot.arrived = 0;
+    if (w.barrier.expected != kWarpSize) fail("a warp-collective instruction in a partial warp");
+    for (unsigned lane = 0; lane < kWarpSize; ++lane) {
+      if (std::strcmp(slot.op[lane], op) != 0)
+        fail("the lanes of a warp are at different warp-collective instructions");
+    }
+    In all_in[kWarpSize];
+    Out all_out[kWarpSize];
+    for (unsigned lane = 0; lane < kWarpSize; ++lane) std::memcpy(&all_in[lane], slot.in[lane], sizeof(In));
+    compute(all_in, all_out);
+    for (unsigned lane = 0; lane < kWarpSize; ++lane) std::memcpy(slot.out[lane], &all_out[lane], sizeof(Out));
+  }
+  arrive_and_wait(w.barrier);
+  Out out;
+  std::memcpy(&out, slot.out[f.lane], sizeof(Out));
   return out;
 }
 

@@ -1,8 +1,10 @@
 """The CUDA fused attention kernels (csrc/cuda/attention_kernels.cuh) on CPU tensors under the
-SIMT harness (ATTNRES_CUDA_EMULATE=1), WMMA calls included (csrc/simt/wmma.h): forward and
-backward against the reference by FlashAttention's rule, gradcheck, opcheck, determinism.
-Every CUDA thread is a fiber: shapes stay small, and the cases of tests/ops/test_attention.py that
-need no long sequences are reused with backend="cuda"."""
+SIMT harness (ATTNRES_CUDA_EMULATE=1): the fp16 / bf16 tensor-core kernels with their mma.sync,
+ldmatrix and cp.async emulated per lane (csrc/simt/warp_matrix.h), the fp32 / fp64 SIMT kernels;
+forward and backward against the reference by FlashAttention's rule, every head-size bucket and
+the smaller plans of GPUs with less shared memory, gradcheck, opcheck, determinism, and the
+global-memory bytes each launch moves. Every CUDA thread is a fiber: shapes stay small, and the
+cases of tests/ops/test_attention.py that need no long sequences are reused with backend="cuda"."""
 
 import itertools
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import attnres_kernels as ak
+from attnres_kernels import reference
 from attnres_kernels.cuda import emulation
 
 # Not collected under these names: called below with backend="cuda".
@@ -24,17 +27,52 @@ from tests.ops.test_attention import test_rows_without_keys_are_zero_not_nan as 
 from tests.support import attnres_ops_called
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-KERNELS = ("attn_fwd", "attn_bwd_rows", "attn_bwd_dkdv", "attn_bwd_dq")
+TENSOR_CORE_DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+# The opt-in shared memory per block of sm_86 / sm_89, sm_80 (the harness's default) and sm_90.
+SHARED_SM86, SHARED_SM80, SHARED_SM90 = 99 * 1024, 163 * 1024, 227 * 1024
 
 
 pytestmark = pytest.mark.usefixtures("cuda_emulation")
 
 
-def assert_attention_kernels_ran(dtype):
+def kernel_names(dtype, dh):
+    """The launch names of the forward and backward kernels for ``dtype`` and head size ``dh``:
+    tensor-core kernels per head-size bucket of 32 for fp16 / bf16, SIMT kernels otherwise."""
+    name = DTYPE_NAMES[dtype]
+    if dtype in TENSOR_CORE_DTYPES:
+        bucket = -(-dh // 32) * 32
+        return {
+            "fwd": f"attn_fwd_mma<{name}, {bucket}>",
+            "rows": f"attn_bwd_rows<{name}>",
+            "dkdv": f"attn_bwd_dkdv_mma<{name}, {bucket}>",
+            "dq": f"attn_bwd_dq_mma<{name}, {bucket}>",
+        }
+    return {
+        "fwd": f"attn_fwd_simt<{name}>",
+        "rows": f"attn_bwd_rows<{name}>",
+        "dkdv": f"attn_bwd_dkdv_simt<{name}>",
+        "dq": f"attn_bwd_dq_simt<{name}>",
+    }
+
+
+def assert_attention_kernels_ran(dtype, dh):
     ran = {launch.kernel for launch in emulation.launch_log()}
-    expected = {f"{k}<{DTYPE_NAMES[dtype]}>" for k in KERNELS}
+    expected = set(kernel_names(dtype, dh).values())
     assert expected <= ran, ran
+
+
+@pytest.fixture
+def shared_memory_limit(cuda_emulation):
+    """Sets the shared memory per block the launch plans assume (restored after the test)."""
+    previous = []
+
+    def set_limit(nbytes):
+        previous.append(torch.ops.attnres_emu.set_shared_memory_limit(nbytes))
+
+    yield set_limit
+    if previous:
+        torch.ops.attnres_emu.set_shared_memory_limit(previous[0])
 
 
 def _grid():
@@ -52,7 +90,7 @@ def _grid():
 def test_matches_reference(dtype, causal, masked, t, dh, layout):
     q, k, v = make_qkv(2, 2, 1, t, t, dh, dtype, layout)
     compare("cuda", q, k, v, causal, make_mask(2, t) if masked else None)
-    assert_attention_kernels_ran(dtype)
+    assert_attention_kernels_ran(dtype, dh)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -124,7 +162,7 @@ def test_the_emulated_cuda_kernels_ran():
         torch.autograd.grad(ak.attention(q, k, v, backend="cuda").float().sum(), [q, k, v])
 
     assert {"attnres_emu::attn_fwd", "attnres_emu::attn_bwd"} <= attnres_ops_called(step)
-    assert_attention_kernels_ran(torch.float16)
+    assert_attention_kernels_ran(torch.float16, 16)
 
 
 @pytest.mark.parametrize("make,kwargs,error,match", [c[1:] for c in BAD_CALLS], ids=[c[0] for c in BAD_CALLS])
@@ -154,24 +192,195 @@ def test_op_checks_its_arguments_before_any_launch():
     assert emulation.launch_log() == []
 
 
+# ---------------------------------------------------------------- the tensor-core kernels
+
+
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+@pytest.mark.parametrize(
+    "dh,layout",
+    [(8, "contiguous"), (24, "bthd"), (40, "contiguous"), (96, "bthd"), (136, "contiguous"), (160, "bthd")]
+    + [(192, "contiguous"), (200, "bthd"), (250, "contiguous"), (256, "bthd"), (64, "strided"), (33, "strided")],
+)
+def test_every_head_size_bucket(dtype, dh, layout):
+    """Each head-size bucket of the tensor-core kernels (32 to 256; past 128 two warps share
+    the keys of the dK/dV kernel), head sizes inside a bucket (zero-padded columns), and views
+    whose rows are no 16-byte chunks (Dh not a multiple of 8, strided: read element by element);
+    causal with Tq < Tk, key padding and grouped-query heads."""
+    q, k, v = make_qkv(2, 4, 2, 21, 38, dh, dtype, layout)
+    compare("cuda", q, k, v, True, make_mask(2, 38))
+    assert_attention_kernels_ran(dtype, dh)
+
+
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+@pytest.mark.parametrize(
+    "tq,tk,causal,masked",
+    [(150, 150, True, False), (70, 200, True, True), (200, 70, True, False), (130, 300, False, True)],
+    ids=["causal", "Tq<Tk-mask", "Tq>Tk", "full-mask"],
+)
+def test_many_tiles(dtype, tq, tk, causal, masked):
+    """Several query and key tiles per block, so the double-buffered walks prefetch, wrap
+    around their buffers and skip the tiles above the diagonal (Tq > Tk: the first rows see no key)."""
+    q, k, v = make_qkv(1, 2, 1, tq, tk, 64, dtype, "bthd")
+    compare("cuda", q, k, v, causal, make_mask(1, tk) if masked else None)
+
+
+def _mma_shared_bytes(kernel, dh, warps, stages):
+    """Dynamic shared memory of a tensor-core kernel (the layouts of attention_mma_kernels.cuh,
+    each piece rounded up to 32 bytes): the block's own rows once, the walked tiles per stage."""
+    d = -(-dh // 32) * 32
+    keys, queries, split = (64 if d <= 128 else 32), (64 if d <= 64 else 32), (1 if d <= 128 else 2)
+
+    def piece(n):
+        return -(-n // 32) * 32
+
+    if kernel == "fwd":
+        return piece(warps * 16 * d * 2) + piece(stages * 2 * keys * d * 2) + piece(stages * keys)
+    if kernel == "dq":
+        return 2 * piece(warps * 16 * d * 2) + piece(stages * 2 * keys * d * 2) + piece(stages * keys)
+    return (
+        2 * piece(warps // split * 16 * d * 2) + piece(stages * 2 * queries * d * 2) + piece(stages * 2 * queries * 4)
+    )
+
+
+@pytest.mark.parametrize(
+    "limit,dh,plans",
+    [
+        # kernel: (warps, walked tiles in flight)
+        (SHARED_SM90, 256, {"fwd": (8, 2), "dkdv": (8, 2), "dq": (8, 2)}),
+        (SHARED_SM80, 256, {"fwd": (8, 2), "dkdv": (8, 2), "dq": (8, 1)}),
+        (SHARED_SM86, 256, {"fwd": (8, 1), "dkdv": (8, 1), "dq": (4, 1)}),
+        (SHARED_SM86, 128, {"fwd": (8, 2), "dkdv": (8, 2), "dq": (8, 1)}),
+    ],
+    ids=["sm90-D256", "sm80-D256", "sm86-D256", "sm86-D128"],
+)
+def test_plans_follow_the_shared_memory(shared_memory_limit, limit, dh, plans):
+    """The launch plans of a GPU with less shared memory per block (sm_86/89: 99 KiB) give the
+    walked tiles one buffer instead of two, then 4 warps instead of 8; each plan fits and computes
+    the same attention."""
+    shared_memory_limit(limit)
+    q, k, v = make_qkv(1, 2, 1, 40, 70, dh, torch.bfloat16, "contiguous")
+    compare("cuda", q, k, v, True, make_mask(1, 70))
+    launches = {x.kernel: x for x in emulation.launch_log()}
+    names = kernel_names(torch.bfloat16, dh)
+    for kernel, (warps, stages) in plans.items():
+        launch = launches[names[kernel]]
+        assert launch.block == (warps * 32, 1, 1), (kernel, launch)
+        assert launch.shared_bytes == _mma_shared_bytes(kernel, dh, warps, stages) <= limit, (kernel, launch)
+
+
+@pytest.fixture
+def copies_land_when_issued(cuda_emulation):
+    """cp.async copies land when issued instead of when waited for (restored after the test)."""
+    previous = torch.ops.attnres_emu.set_cp_async_eager(True)
+    yield
+    torch.ops.attnres_emu.set_cp_async_eager(previous)
+
+
+@pytest.mark.parametrize("limit", [SHARED_SM80, SHARED_SM86], ids=["two-stages", "one-stage"])
+@pytest.mark.parametrize("tq,tk", [(150, 150), (200, 70)])
+def test_copies_landing_as_soon_as_issued(copies_land_when_issued, shared_memory_limit, limit, tq, tk):
+    """The GPU may land an asynchronous copy anywhere between its issue and its wait: the
+    harness lands them at the wait by default (a read before it sees stale data) and here at
+    the issue (a copy into a buffer that another warp still reads corrupts it): the pipelines
+    are right both ways, with the walked tiles double- and single-buffered."""
+    shared_memory_limit(limit)
+    q, k, v = make_qkv(1, 2, 1, tq, tk, 128, torch.float16, "bthd")
+    compare("cuda", q, k, v, True, make_mask(1, tk))
+
+
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+def test_tensor_core_rows_without_keys_are_zero_not_nan(dtype):
+    """Tq > Tk under causal (rows 0-2 see no key) and a batch whose keys are all padding: out 0,
+    lse -inf and zero gradients, never NaN, in the 16-bit kernels too."""
+    q, k, v = make_qkv(2, 2, 1, 7, 4, 16, dtype)
+    mask = torch.tensor([[True, False, True, True], [False] * 4])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = ak.attention(q, k, v, key_padding_mask=mask, return_lse=True, backend="cuda")
+    grads = torch.autograd.grad(out.float().sum() + finite(lse, lse).sum(), [q, k, v])
+    no_key = torch.zeros(2, 2, 7, dtype=torch.bool)
+    no_key[0, :, :3] = True
+    no_key[1] = True
+    assert torch.equal(lse == -float("inf"), no_key)
+    assert bool((out[no_key] == 0).all()) and bool((grads[0][no_key] == 0).all())
+    assert bool((grads[1][1] == 0).all()) and bool((grads[2][1] == 0).all())
+    assert all(bool(torch.isfinite(t).all()) for t in (out, *grads))
+    assert_attention_kernels_ran(dtype, 16)
+
+
+@pytest.mark.parametrize("dtype", TENSOR_CORE_DTYPES)
+def test_tensor_core_nan_propagates_like_the_reference(dtype):
+    q, k, v = make_qkv(1, 2, 2, 9, 9, 16, dtype)
+    q[0, 0, 4, 3] = float("nan")  # one query row
+    k[0, 1, 6, 0] = float("nan")  # one key: every later row of head 1 reads it
+    out = ak.attention(q, k, v, causal=True, backend="cuda")
+    expected = reference.attention(q.float(), k.float(), v.float(), causal=True)
+    assert torch.equal(torch.isnan(out), torch.isnan(expected)) and bool(torch.isnan(out).any())
+
+
+# ---------------------------------------------------------------- global-memory traffic
+
+
+def _key_rows_read(tq, tk, block_q, block_k, causal):
+    """Key rows a walk over key tiles of ``block_k`` reads for each ``block_q``-row query tile:
+    up to the last key the tile's last query sees (whole tiles, but no row past Tk)."""
+    rows = 0
+    for i0 in range(0, tq, block_q):
+        end = min(tk, i0 + block_q + tk - tq) if causal else tk
+        rows += min(tk, -(-max(end, 0) // block_k) * block_k)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_traffic_reads_queries_once_and_skips_tiles_above_the_diagonal(causal):
-    """Global-memory bytes the harness counted: q read and out / lse written exactly once; each
-    query tile reads the keys and values up to its last visible key (whole key tiles of at
-    most 64 rows), so under the causal mask far fewer than the full pass."""
-    batch, heads, kv_heads, t, dh, size = 1, 2, 1, 200, 32, 2
-    q, k, v = make_qkv(batch, heads, kv_heads, t, t, dh, torch.float16)
+def test_forward_traffic_reads_queries_once_and_skips_tiles_above_the_diagonal(dtype, causal):
+    """Global-memory bytes the harness counted against the I/O floor (q, k, v read once, out
+    and lse written once): q read and out / lse written exactly once; each query tile reads the
+    keys and values up to its last visible key, so under the causal mask far fewer than the
+    full pass. Tensor cores: 128-row query tiles, 64-key tiles; SIMT: 64 x 64."""
+    batch, heads, kv_heads, t, dh = 1, 2, 1, 300, 32
+    size = torch.finfo(dtype).bits // 8
+    q, k, v = make_qkv(batch, heads, kv_heads, t, t, dh, dtype)
     ak.attention(q, k, v, causal=causal, backend="cuda")
     (launch,) = [x for x in emulation.launch_log() if x.kernel.startswith("attn_fwd")]
     assert launch.read("q") == q.numel() * size and launch.written("out") == q.numel() * size
     assert launch.written("lse") == batch * heads * t * 4 and launch.traffic["untracked"] == (0, 0)
-    tiles = launch.grid[0]
-    block_q = next(b for b in (8, 16, 32, 64) if -(-t // b) == tiles)
+    block_q = 128 if dtype == torch.float16 else 64
+    assert launch.grid == (-(-t // block_q), heads, batch)
     row_bytes = dh * size * heads  # every query head reads its kv head's rows
-    full = tiles * t * row_bytes
-    if not causal:
-        assert launch.read("k") == launch.read("v") == full
-        return
-    last_visible = [min(t, i0 + block_q) for i0 in range(0, t, block_q)]  # Tq = Tk: query i sees keys <= i
-    low, high = sum(last_visible) * row_bytes, sum(min(t, e + 63) for e in last_visible) * row_bytes
-    assert low <= launch.read("k") == launch.read("v") <= high < full
+    key_rows = _key_rows_read(t, t, block_q, 64, causal)
+    assert launch.read("k") == launch.read("v") == key_rows * row_bytes
+    floor = 2 * q.numel() * size + 2 * k.numel() * size + batch * heads * t * 4
+    total = sum(r + w for r, w in launch.traffic.values())
+    assert total == floor + 2 * (key_rows * row_bytes - k.numel() * size)
+    if causal:
+        assert key_rows < -(-t // block_q) * t
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_traffic(causal):
+    """The tensor-core backward: the row terms read dO and O once; the dK/dV kernel reads K and V
+    once and, per 128-key block, the q / dO tiles of every head of its group that see the block
+    (causal: from the diagonal on); the dQ kernel reads q and dO once and, per 128-query block, the
+    key tiles it sees; each gradient is written exactly once. GQA 2:1 with Tq != Tk."""
+    batch, heads, kv_heads, tq, tk, dh, size = 1, 4, 2, 150, 300, 32, 2
+    q, k, v = (t.requires_grad_() for t in make_qkv(batch, heads, kv_heads, tq, tk, dh, torch.float16))
+    out = ak.attention(q, k, v, causal=causal, backend="cuda")
+    emulation.launch_log()
+    torch.autograd.grad(out.float().sum(), [q, k, v])
+    launches = {x.kernel.split("<")[0]: x for x in emulation.launch_log()}
+    rows, dkdv, dq = launches["attn_bwd_rows"], launches["attn_bwd_dkdv_mma"], launches["attn_bwd_dq_mma"]
+    q_bytes, k_bytes = q.numel() * size, k.numel() * size
+    assert rows.read("grad_out") == rows.read("out") == q_bytes
+    assert dkdv.read("k") == dkdv.read("v") == k_bytes and dkdv.written("grad_k") == dkdv.written("grad_v") == k_bytes
+    # Query rows each 128-key block reads (per head): from the first query that sees its first key.
+    query_rows = 0
+    for j0 in range(0, tk, 128):
+        first = max(0, j0 - (tk - tq)) if causal else 0
+        query_rows += tq - first // 64 * 64 if first < tq else 0
+    row_bytes = dh * size * heads  # every head of each group
+    assert dkdv.read("q") == dkdv.read("grad_out") == query_rows * row_bytes
+    assert dkdv.read("lse_log2") == dkdv.read("delta") == query_rows * heads * 4
+    assert dq.read("q") == dq.read("grad_out") == q_bytes and dq.written("grad_q") == q_bytes
+    key_rows = _key_rows_read(tq, tk, 128, 64, causal)
+    assert dq.read("k") == dq.read("v") == key_rows * dh * size * heads
+    assert all(x.traffic["untracked"] == (0, 0) for x in (rows, dkdv, dq))

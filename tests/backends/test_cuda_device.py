@@ -95,11 +95,15 @@ def _attention_qkv(batch, heads, kv_heads, tq, tk, dh, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    "tq,tk,dh,causal,masked", [(300, 300, 64, True, True), (77, 500, 128, True, False), (64, 33, 256, False, True)]
+    "tq,tk,dh,causal,masked",
+    [(300, 300, 64, True, True), (77, 500, 128, True, False), (64, 33, 256, False, True)]
+    + [(129, 257, 80, True, True), (300, 140, 200, True, False), (65, 65, 20, False, False)],
 )
 def test_attention_matches_reference_on_device(dtype, tq, tk, dh, causal, masked):
-    """The nvcc build of the fused attention (WMMA for fp16/bf16, SIMT for fp32): outputs and
-    gradients against the reference by FlashAttention's rule, and the CUDA ops ran."""
+    """The nvcc build of the fused attention (fp16/bf16: mma.sync tensor-core kernels per
+    head-size bucket, among them a padded bucket, one whose dK/dV warps split the columns and
+    one read element by element; fp32: SIMT): outputs and gradients against the reference by
+    FlashAttention's rule, and the CUDA ops ran."""
     q, k, v = _attention_qkv(2, 4, 2, tq, tk, dh, dtype)
     mask = (torch.rand(2, tk, device="cuda") > 0.3) if masked else None
 

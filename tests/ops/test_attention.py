@@ -34,7 +34,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 def test_cpu_backend_is_available():
     """The C++ op must be built here: a silently missing backend must not shrink the suite."""
     assert "cpu" in FUSED, ak.build_info()
-    assert attention_ops.resolve_backend("auto", torch.device("cpu"), 64) == "cpu"
+    q, k, _ = make_qkv(1, 2, 2, 4, 4, 64, torch.float32)
+    assert attention_ops.resolve_backend("auto", q, k) == "cpu"
 
 
 def make_qkv(batch, heads, kv_heads, tq, tk, dh, dtype, layout="contiguous"):
@@ -640,3 +641,104 @@ def test_cpu_op_checks_its_arguments():
     out, lse = fwd(q, k, v, None, True, 0.1)
     with pytest.raises(RuntimeError, match="lse must be"):
         torch.ops.attnres.attn_bwd(out, None, q, k, v, None, out, lse.double(), True, 0.1)
+
+
+# ---------------------------------------------------------------- SDPA as a backend, and "auto" on CUDA
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    "heads, kv_heads, tq, tk, causal, scale",
+    [
+        (4, 4, 7, 7, True, None),  # square causal
+        (4, 2, 3, 9, True, None),  # a chunk of the last queries over a longer cache: bottom-right
+        (6, 2, 1, 11, True, 0.3),  # one decode query sees every key
+        (4, 1, 5, 8, False, None),  # not causal, one key/value head
+    ],
+)
+def test_sdpa_backend_has_our_semantics(dtype, heads, kv_heads, tq, tk, causal, scale):
+    """``backend="sdpa"`` (what "auto" runs on CUDA where it is faster) computes what the reference does:
+    bottom-right causal alignment when Tq < Tk, grouped-query heads, the scale; gradients too."""
+    torch.manual_seed(tq * tk)
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, heads, kv_heads, tq, tk, 16, dtype, layout="bthd"))
+    out = ak.attention(q, k, v, causal=causal, scale=scale, backend="sdpa")
+    want = reference.attention(q, k, v, causal=causal, scale=scale)
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out, want, **tol)
+    dout = torch.randn_like(out)
+    got_grads = torch.autograd.grad(out, (q, k, v), dout)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.parametrize(
+    "kwargs, tq, tk, match",
+    [
+        (dict(return_lse=True), 4, 4, "does not return the LSE"),
+        (dict(key_padding_mask=torch.ones(1, 4, dtype=torch.bool)), 4, 4, "key padding mask"),
+        (dict(causal=True), 6, 4, "Tq > Tk"),
+    ],
+)
+def test_sdpa_backend_refuses_what_sdpa_cannot_compute(kwargs, tq, tk, match):
+    q, k, v = make_qkv(1, 2, 2, tq, tk, 8, torch.float32)
+    with pytest.raises(ak.BackendUnavailableError, match=match):
+        ak.attention(q, k, v, backend="sdpa", **kwargs)
+
+
+@pytest.fixture
+def fake_cuda_capability(monkeypatch):
+    """Fake CUDA tensors (no GPU needed) on a device of compute capability 9.0."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with FakeTensorMode():
+        yield
+
+
+def test_auto_on_cuda_runs_sdpa_where_it_computes_the_call(fake_cuda_capability, monkeypatch):
+    """Without a measured rule that ours is faster, "auto" on CUDA tensors picks SDPA for every call SDPA
+    can compute, and our kernels (Triton first) for the rest."""
+    q = torch.empty(2, 8, 64, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 80, 64, device="cuda", dtype=torch.bfloat16)
+    mask = torch.ones(2, 80, dtype=torch.bool, device="cuda")
+    assert attention_ops.resolve_backend("auto", q, k) == "sdpa"
+    assert attention_ops.resolve_backend("auto", q, k, causal=False) == "sdpa"
+    fused = attention_ops.resolve_backend("auto", q, k, key_padding_mask=mask)
+    assert fused in ("triton", "cuda", "reference") and fused != "sdpa"
+    assert attention_ops.resolve_backend("auto", q, k, return_lse=True) == fused
+    # A measured rule that ours is faster on this architecture hands such calls back to our kernels.
+    monkeypatch.setitem(attention_ops.FASTER_THAN_SDPA, (9, 0), lambda q, causal: q.shape[-1] == 64)
+    assert attention_ops.resolve_backend("auto", q, k) == fused
+    q128, k128 = (torch.empty(*t.shape[:-1], 128, device="cuda", dtype=torch.bfloat16) for t in (q, k))
+    assert attention_ops.resolve_backend("auto", q128, k128) == "sdpa"
+
+
+def test_models_attention_auto_follows_the_op_not_the_depth_backend(monkeypatch):
+    """A model's ``attention_backend="auto"`` is the attention op's own choice (SDPA on CUDA where faster),
+    whatever backend its depth reads run on."""
+    seen = []
+    original = attention_ops.attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append(kwargs["backend"])
+        return original(q, k, v, **kwargs)
+
+    monkeypatch.setattr(ak.ops, "attention", spy)
+    model = ak.nn.FullAttnResTransformer(32, 16, 2, 2, backend="reference")
+    model(torch.randint(0, 32, (1, 5)))
+    assert seen == ["auto", "auto"]
+
+
+@pytest.mark.cuda
+def test_auto_on_a_gpu_runs_sdpa_with_our_semantics():
+    """On a GPU whose architecture has no rule for our kernels, "auto" runs SDPA, and SDPA computes the
+    reference's result (bottom-right causal alignment, grouped-query heads)."""
+    q, k, v = (t.cuda() for t in make_qkv(2, 8, 2, 64, 96, 64, torch.bfloat16))
+    capability = torch.cuda.get_device_capability(q.device)
+    expected = "sdpa" if capability not in attention_ops.FASTER_THAN_SDPA else None
+    if expected is not None:
+        assert attention_ops.resolve_backend("auto", q, k) == expected
+    out = ak.attention(q, k, v)
+    want = reference.attention(q, k, v)
+    torch.testing.assert_close(out.float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -323,7 +323,7 @@ def _op_samples(d=6, lead=(3, 2)):
     bf16 = lambda t: t.detach().to(torch.bfloat16).requires_grad_()
     return [
         (partial, update, w, g, h_a, lse_a, g_out, 1e-6, None),
-        (None, update, w, None, h_a, lse_a, None, 1e-5),
+        (None, update, w, None, h_a, lse_a, None, 1e-5, None),
         (bf16(partial), bf16(update), w, g, h_a, lse_a, g_out, 1e-6, None),
         (partial.detach(), update.detach(), w.detach(), None, h_a.detach(), lse_a.detach(), g_out.detach(), 1e-6, None),
     ]

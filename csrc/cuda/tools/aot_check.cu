@@ -5,8 +5,10 @@
 // dynamic shared memory any launch plan gives it. It also checks that every plan
 // over D, Q, the dtype mixes and the output norm maps to an instantiated kernel
 // (for the depth read and the Block step), and that every attention plan (dtype x
-// Dh x sequence lengths) fits the shared memory of every sm_80+ GPU (the attention
-// kernels: one per dtype, all listed).
+// Dh x sequence lengths) fits the shared memory of every sm_80+ GPU and maps to a
+// listed kernel (tensor cores: one per 16-bit dtype and head-size bucket; SIMT: one
+// per fp32 / fp64).
+#include <array>
 #include <cstdio>
 #include <exception>
 #include <map>
@@ -44,13 +46,13 @@ std::map<TileKey, size_t> largest_shared_bytes() {
   return shared;
 }
 
-// The name ptxas reports for an attention kernel of storage dtype `dtype`, demangled.
-std::string attention_kernel_name(const char* kernel, int32_t dtype) {
+// The name ptxas reports for an attention kernel of storage dtype `dtype` (and head-size bucket), demangled.
+std::string attention_kernel_name(const char* kernel, int32_t dtype, int head_bucket = 0) {
   const char* type = dtype == kFloat16    ? "attnres::cuda::Half"
                      : dtype == kBFloat16 ? "attnres::cuda::BFloat16"
                      : dtype == kFloat32  ? "float"
                                           : "double";
-  return std::string(kernel) + "<" + type + ">";
+  return std::string(kernel) + "<" + type + (head_bucket > 0 ? ", " + std::to_string(head_bucket) : "") + ">";
 }
 
 using StepKey = std::tuple<int, bool, int, int>;  // pass, acc_double, G, K
@@ -79,23 +81,31 @@ std::string kernel_name(const char* kernel, bool acc_double, int G, int K, int Q
          std::to_string(K) + ", " + std::to_string(QT) + ">";
 }
 
-// The largest dynamic shared memory of each attention kernel (by dtype) over every
-// plan: head sizes 1..256 and sequence lengths from 1 (the tiles shrink) to long.
-// plan_attention throws when a plan exceeds the shared memory every sm_80+ GPU has.
-std::map<std::string, size_t> attention_shared_bytes() {
-  std::map<std::string, size_t> shared;
-  for (int32_t dtype : {kFloat16, kBFloat16, kFloat32, kFloat64}) {
-    for (int kind = 0; kind < 3; ++kind) {
-      const char* name = kind == 0 ? "attn_fwd_kernel" : kind == 1 ? "attn_bwd_dkdv_kernel" : "attn_bwd_dq_kernel";
-      for (int64_t dh = 1; dh <= kAttnMaxHeadDim; ++dh) {
-        for (int64_t t : {1, 8, 16, 17, 33, 64, 1 << 20}) {
-          const AttnPlan p = plan_attention(static_cast<AttnKernel>(kind), dtype, dh, t, t);
-          auto& s = shared[attention_kernel_name(name, dtype)];
-          s = std::max(s, p.shared_bytes);
+// The largest dynamic shared memory of each attention kernel over every plan (head
+// sizes 1..256, sequence lengths from 1, where the SIMT tiles shrink, to long), for
+// the GPUs of each architecture: [0] sm_80 code (sm_80 / sm_87, and sm_86 / sm_89 with
+// less shared memory), [1] sm_90. plan_attention throws when no plan fits a GPU.
+std::map<std::string, std::array<size_t, 2>> attention_shared_bytes() {
+  std::map<std::string, std::array<size_t, 2>> shared;
+  constexpr std::pair<size_t, int> kGpus[] = {{kSharedSm86, 0}, {kSharedSm80, 0}, {kSharedSm90, 1}};
+  for (const auto& [max_shared, arch] : kGpus) {
+    for (int32_t dtype : {kFloat16, kBFloat16, kFloat32, kFloat64}) {
+      for (int kind = 0; kind < 3; ++kind) {
+        const char* name =
+            kind == 0   ? (attn_uses_tensor_cores(dtype) ? "attn_fwd_mma_kernel" : "attn_fwd_simt_kernel")
+            : kind == 1 ? (attn_uses_tensor_cores(dtype) ? "attn_bwd_dkdv_mma_kernel" : "attn_bwd_dkdv_simt_kernel")
+                        : (attn_uses_tensor_cores(dtype) ? "attn_bwd_dq_mma_kernel" : "attn_bwd_dq_simt_kernel");
+        for (int64_t dh = 1; dh <= kAttnMaxHeadDim; ++dh) {
+          for (int64_t t : {1, 8, 16, 17, 33, 64, 1 << 20}) {
+            const AttnPlan p = plan_attention(static_cast<AttnKernel>(kind), dtype, dh, t, t, max_shared);
+            const int bucket = attn_uses_tensor_cores(dtype) ? p.head_pad : 0;
+            auto& s = shared[attention_kernel_name(name, dtype, bucket)][arch];
+            s = std::max(s, p.shared_bytes);
+          }
         }
       }
+      shared[attention_kernel_name("attn_bwd_rows_kernel", dtype)] = {0, 0};
     }
-    shared[attention_kernel_name("attn_bwd_rows_kernel", dtype)] = 0;
   }
   return shared;
 }
@@ -147,30 +157,58 @@ int main() {
            reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
     }
   });
-  std::map<std::string, size_t> attention;
+  std::map<std::string, std::array<size_t, 2>> attention;
   try {
     attention = attention_shared_bytes();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "an attention launch plan failed: %s\n", e.what());
     return 1;
   }
-  // Every attention kernel: one instantiation per storage dtype, each reached by its dtype's plans.
-  auto emit_attention = [&](auto s, int32_t dtype) {
+  // Every attention kernel: the tensor-core kernels per 16-bit dtype and head-size bucket, the
+  // SIMT kernels per fp32 / fp64, the row terms per dtype; each reached by its dtype's plans.
+  // Attention lines carry the largest shared memory for sm_80 code, then for sm_90.
+  size_t attention_kernels = 0;
+  auto emit_attention = [&](const std::string& name) {
+    const auto it = attention.find(name);
+    if (it == attention.end()) {
+      std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
+      ++unreachable;
+      return;
+    }
+    std::printf("%s\t%zu\t%zu\n", name.c_str(), it->second[0], it->second[1]);
+    ++attention_kernels;
+  };
+  auto emit_mma = [&](auto s, int32_t dtype) {
     using S = decltype(s);
-    (void)&attn_fwd_kernel<S>;
+    for (int64_t dh = kMmaHeadBucket; dh <= kAttnMaxHeadDim; dh += kMmaHeadBucket) {
+      with_head_bucket(dh, [&](auto head_dim) {
+        constexpr int D = decltype(head_dim)::value;
+        (void)&attn_fwd_mma_kernel<S, D>;
+        (void)&attn_bwd_dkdv_mma_kernel<S, D>;
+        (void)&attn_bwd_dq_mma_kernel<S, D>;
+        for (const char* kernel : {"attn_fwd_mma_kernel", "attn_bwd_dkdv_mma_kernel", "attn_bwd_dq_mma_kernel"}) {
+          emit_attention(attention_kernel_name(kernel, dtype, D));
+        }
+      });
+    }
     (void)&attn_bwd_rows_kernel<S>;
-    (void)&attn_bwd_dkdv_kernel<S>;
-    (void)&attn_bwd_dq_kernel<S>;
+    emit_attention(attention_kernel_name("attn_bwd_rows_kernel", dtype));
+  };
+  auto emit_simt = [&](auto s, int32_t dtype) {
+    using S = decltype(s);
+    (void)&attn_fwd_simt_kernel<S>;
+    (void)&attn_bwd_rows_kernel<S>;
+    (void)&attn_bwd_dkdv_simt_kernel<S>;
+    (void)&attn_bwd_dq_simt_kernel<S>;
     for (const char* kernel :
-         {"attn_fwd_kernel", "attn_bwd_rows_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}) {
-      const std::string name = attention_kernel_name(kernel, dtype);
-      std::printf("%s\t%zu\n", name.c_str(), attention.at(name));
+         {"attn_fwd_simt_kernel", "attn_bwd_rows_kernel", "attn_bwd_dkdv_simt_kernel", "attn_bwd_dq_simt_kernel"}) {
+      emit_attention(attention_kernel_name(kernel, dtype));
     }
   };
-  emit_attention(Half{}, kFloat16);
-  emit_attention(BFloat16{}, kBFloat16);
-  emit_attention(float{}, kFloat32);
-  emit_attention(double{}, kFloat64);
+  emit_mma(Half{}, kFloat16);
+  emit_mma(BFloat16{}, kBFloat16);
+  emit_simt(float{}, kFloat32);
+  emit_simt(double{}, kFloat64);
   // The Block step (block_step_kernels.cuh): one kernel per pass, accumulation type and tile.
   size_t step_kernels = 0;
   auto emit_step = [&](Pass pass, bool acc_double, int G, int K, const void* /*kernel*/) {
@@ -202,5 +240,8 @@ int main() {
   std::printf("column_sum_kernel<double>\t0\n");
   (void)&column_sum_kernel<float>;
   (void)&column_sum_kernel<double>;
-  return unreachable == 0 && kernels == shared.size() && step_kernels == step_shared.size() ? 0 : 1;
+  return unreachable == 0 && kernels == shared.size() && step_kernels == step_shared.size() &&
+                 attention_kernels == attention.size()
+             ? 0
+             : 1;
 }
