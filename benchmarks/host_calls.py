@@ -41,10 +41,11 @@ Backends:
   launch tables' cache hits depend on where the allocator put the gradients.
 - ``cpu``: the C++ CPU ops, kernels included (they cannot be stubbed from outside); likewise
   ``reference`` (the plain-PyTorch reference through the same public function), ``sdpa``
-  (``F.scaled_dot_product_attention`` on the attention's shapes) and ``torch`` (one ``a + b`` of the
-  read's output shape: one ATen op and one autograd node, the yardstick). Their host part is estimated
-  by measuring at M = 64 and 128 rows (batch 2 and 4 of T = 32) and extrapolating to zero rows,
-  ``host = 2·I(64) − I(128)`` (the kernels' work is linear in the rows); the count at 64 rows is
+  (``ak.attention``'s backend that calls ``F.scaled_dot_product_attention``) and ``torch``, the
+  yardsticks in plain PyTorch: ``F.scaled_dot_product_attention`` itself on the attention's shapes,
+  and one ``a + b`` of the read's output shape (one ATen op, one autograd node). Their host part is
+  estimated by measuring at M = 64 and 128 rows (batch 2 and 4 of T = 32) and extrapolating to zero
+  rows, ``host = 2·I(64) − I(128)`` (the kernels' work is linear in the rows); the count at 64 rows is
   reported beside it. Checked with a third shape (256 rows; all but the reference): the estimates from
   128 and 256 rows agree within 3 % for every forward and for the backward of the C++ merge, Block step
   and attention and of ``a + b``; the C++ depth read's backward and SDPA's backward grow faster than
@@ -281,7 +282,7 @@ def _attention(batch):
     grad = torch.randn(batch, HEADS, SEQ, HEAD_DIM, generator=gen).to(DTYPE)
 
     def run(backend):
-        if backend == "sdpa":
+        if backend == "torch":
             return (F.scaled_dot_product_attention(q, k, v, is_causal=True),)
         return (ak.attention(q, k, v, causal=True, backend=backend),)
 
@@ -301,7 +302,7 @@ CASES = [
     Case(f"depth read, Q={SITES}", FUSED, _read(SITES)),
     Case("merge", FUSED, _merge),
     Case("Block step", FUSED, _block_step),
-    Case("attention", (*FUSED, "sdpa"), _attention),
+    Case("attention", (*FUSED, "sdpa", "torch"), _attention),
     Case("a + b", ("torch",), _add),
 ]
 
@@ -534,8 +535,9 @@ def markdown(header: str, env: dict, entries: list, baseline: dict | None) -> st
         "Instructions per call (thousands) of the forward (`no_grad`) / forward + `autograd.grad` of every input, "
         "steady state, from `ak.*` down. **triton**: the whole host path with the CUDA driver's launch of each "
         "compiled kernel stubbed (sm_90 kernels, CPU tensors; mean of 64 and 128 rows); launches per call beside "
-        "it. **cpu** (the C++ ops), **reference** (plain PyTorch through the same function), **sdpa**, **torch** "
-        "(one `a + b`, the yardstick) run their kernels: their host part is extrapolated to zero rows "
+        "it. **cpu** (the C++ ops), **reference** (plain PyTorch through the same function), **sdpa** "
+        "(`ak.attention` on SDPA), **torch** (plain PyTorch: `F.scaled_dot_product_attention`; one `a + b`) run "
+        "their kernels: their host part is extrapolated to zero rows "
         "(2·I(64 rows) − I(128 rows)) and the count at 64 rows, kernels included, is shown beside it. The **cuda** "
         "backend (C++/CUDA binding) is not here: its host code needs a CUDA device (`python -m benchmarks.gpu "
         "--sections host`). How it is counted, how well it repeats and where the extrapolation is less certain: "
