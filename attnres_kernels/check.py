@@ -72,8 +72,8 @@ def _cuda_label(demangled: str) -> tuple:
     config = f"G={args[1]} K={args[2]} QT={args[3]}" if len(args) >= 4 else "-"
     if len(args) == 3:  # the Block step: one site, no QT
         config = f"G={args[1]} K={args[2]}"
-    if len(args) == 5:  # the backward, without and with the fused output norm
-        config += f" norm={int(args[4] == 'true')}"
+    if len(args) == 6:  # the backward: without and with the fused output norm, and the source cache
+        config += f" norm={int(args[4] == 'true')} cache={int(args[5] == 'true')}"
     return name, acc, config
 
 

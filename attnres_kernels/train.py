@@ -125,6 +125,12 @@ def make_parser() -> ArgumentParser:
     train.add_argument("--batch-size", type=int, default=10, help="sequences per step, over all data ranks")
     train.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (cosine decay to 0)")
     train.add_argument("--seed", type=int, default=0, help="initial parameters and the order of the pairs")
+    train.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the model's forward and backward from CUDA graphs (torch.cuda.make_graphed_callables; "
+        "one process on a GPU): no per-kernel host work",
+    )
     par = parser.add_argument_group("parallelism (their product is the number of processes)")
     par.add_argument("--dp", type=int, default=1, help="data-parallel replicas (HSDP: replicated over dp)")
     par.add_argument("--fsdp", type=int, default=1, help="FSDP2 shards")
@@ -174,7 +180,7 @@ def check_args(parser: ArgumentParser, args) -> None:
     degrees = tuple(getattr(args, dim) for dim in MESH_DIMS)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
     if math.prod(degrees) != world:
-        sizes = " x ".join(f"{d}={n}" for d, n in zip(MESH_DIMS, degrees))
+        sizes = sizes_of(args)
         need = math.prod(degrees)
         hint = f"; run torchrun --nproc-per-node {need} -m attnres_kernels.train ..." if world == 1 else ""
         parser.error(f"the degrees ({sizes}) need {need} processes, got {world}{hint}")
@@ -188,6 +194,11 @@ def check_args(parser: ArgumentParser, args) -> None:
         parser.error(f"--batch-size {args.batch_size} must split evenly into the {data_ranks} data ranks (dp x fsdp)")
     if args.pp > 1:
         _check_pipeline(parser, args, args.batch_size // data_ranks)
+    if args.cuda_graphs:
+        if not torch.cuda.is_available():
+            parser.error("--cuda-graphs needs a GPU (CUDA graphs replay CUDA kernels); this machine has none")
+        if world > 1:
+            parser.error(f"--cuda-graphs runs one process; the degrees ({sizes_of(args)}) need {world}")
     if args.heads % args.tp:
         parser.error(f"--tp {args.tp} splits the attention by head: --heads {args.heads} must be a multiple of it")
     if args.model == "block" and args.layers % args.blocks:
@@ -204,6 +215,11 @@ def check_args(parser: ArgumentParser, args) -> None:
             parser.error(f"--pp {args.pp} x --stages-per-rank {args.stages_per_rank}: {exc}")
     if args.resume:
         _check_resume(parser, args)
+
+
+def sizes_of(args) -> str:
+    """The mesh's degrees as the error messages print them (``pp=2 x dp=1 x ...``)."""
+    return " x ".join(f"{d}={getattr(args, d)}" for d in MESH_DIMS)
 
 
 def _check_pipeline(parser: ArgumentParser, args, per_rank: int) -> None:
@@ -345,6 +361,9 @@ class Trainer:
                 shard(model, model.shard_units(), data_mesh)
             self.parts, self.first, self.last = model, True, True
         self.model = model
+        # With --cuda-graphs: the model's forward and backward captured on the first step's batch (every
+        # step's batch has its shape) and replayed from then on.
+        self.graphed = None
         self.optimizer = torch.optim.AdamW(self.parts.parameters(), lr=args.lr)
 
     def _build_pipeline(self, model, data_mesh) -> None:
@@ -400,7 +419,9 @@ class Trainer:
                 self.schedule.step()
             local = torch.stack(losses).sum().detach() if self.last else torch.zeros((), device=self.device)
         else:
-            loss = self._loss(self.model(x), y)
+            if self.args.cuda_graphs and self.graphed is None:
+                self.graphed = torch.cuda.make_graphed_callables(self.model, (x,))
+            loss = self._loss((self.graphed or self.model)(x), y)
             loss.backward()
             local = loss.detach()
         grad_norm = self._grad_norm()

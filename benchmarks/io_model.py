@@ -10,9 +10,10 @@ buffer, :func:`attnres_kernels.cuda.emulation.launch_log`). The traffic is split
 - rows: ``[tokens, d]`` activations (sources, outputs, prefixes, partial sums and their
   gradients), reported per token per sublayer in units of ``d * itemsize``: the
   quantity the paper's model counts;
-- per-row scalars (logits, lse, rinv, source tables): O(sources) words per token, no d;
-- parameters: the site vectors staged once per row team and the per-chunk partials of
-  their gradients: O(d) per launch, vanishing per token as the token count grows.
+- per-row scalars (logits, lse, rinv): O(sources) words per token, no d;
+- parameters: the site vectors staged once per row team, the per-chunk partials of
+  their gradients and the gradients themselves: O(d) per launch, vanishing per token
+  as the token count grows.
 
 The rows part is checked to scale exactly with d (two widths). Standard residuals run
 no kernel of ours (``h + f(norm(h))`` is PyTorch): their 3d is the paper's count.
@@ -65,11 +66,19 @@ SCALAR_GROUPS = {
     "dlogits",
     "grad_lse",
     "grad_prefix_lse",
-    "table",
-    "grad_table",
 }
-PARAM_GROUPS = {"u", "g", "du_part", "dg_part", "du", "dg"}
-KERNELS = ("depth_attn_fwd", "depth_attn_bwd", "block_step_fwd", "block_step_bwd", "column_sum")
+PARAM_GROUPS = {
+    "query",
+    "norm_weight",
+    "out_norm_weight",
+    "du_part",
+    "dg_part",
+    "dvw_part",
+    "grad_query",
+    "grad_norm_weight",
+    "grad_out_norm_weight",
+}
+KERNELS = ("depth_attn_fwd", "depth_attn_bwd", "block_step_fwd", "block_step_bwd", "site_grads")
 
 
 @dataclass
@@ -190,14 +199,16 @@ READING = [
     "  k + 1 sources: the O(L) per layer that the chunked schedule removes.",
     "- **Per-site Block** reads the committed blocks at every site (N + 1 rows) but keeps the partial sum in",
     "  PyTorch adds; two-phase moves fewer rows in total once blocks are long and many (the N/S amortization).",
-    "- **Not in the paper's model:** per-row scalars (logits, lse, rinv, the source tables: O(N) words per",
-    "  token, no d) and the site parameters (u = w ⊙ γ and g staged once per row team, the per-chunk partial",
-    "  sums of their gradients): O(d) per launch, shrinking per token as tokens grow (8 tokens here, so they",
-    "  look large). At d = 4096 in bf16 a row is 8 KiB: the scalars are under 1% of the rows.",
-    "- **Backward** (no paper numbers): the depth read's backward reads each source twice (δ = <do, h> needs",
-    "  every source before any source gradient can be written) and writes each source gradient once; the",
-    "  Block step's backward reads new_partial, the phase-1 row and the incoming gradients once and writes",
-    "  both row gradients once.",
+    "- **Not in the paper's model:** per-row scalars (logits, lse, rinv: O(N) words per token, no d) and",
+    "  the site parameters (query, key-norm and output-norm weights read once per row team, the per-chunk",
+    "  partial sums of their gradients, the gradients): O(d) per launch, shrinking per token as tokens grow",
+    "  (8 tokens here, so they look large). At d = 4096 in bf16 a row is 8 KiB: the scalars are under 1% of",
+    "  the rows.",
+    "- **Backward** (no paper numbers): the depth read's backward reads each source once where a row's",
+    "  sources fit in shared memory (its source cache, fp32 math: every read here), else twice (δ = <do, h>",
+    "  needs every source before any source gradient can be written), and writes each source gradient",
+    "  once; the Block step's backward reads new_partial, the phase-1 row and the incoming gradients once",
+    "  and writes both row gradients once.",
 ]
 
 

@@ -25,26 +25,36 @@ inline void check_step_rows(const at::Tensor& t, const char* name, const at::Ten
               like.device());
 }
 
-inline void check_step_site_vector(const at::Tensor& t, const char* name, const at::Tensor& like) {
+// `width`: D, or R for query and norm_weight with sliced low-rank keys.
+inline void check_step_site_vector(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t width) {
   TORCH_CHECK(at::isFloatingType(t.scalar_type()), "block step: `", name, "` must be floating point, got ",
               t.scalar_type());
-  TORCH_CHECK(t.dim() == 1 && t.size(0) == like.size(-1), "block step: `", name,
-              "` must be one site's [D] with D = ", like.size(-1), ", got ", t.sizes());
+  const char* symbol = width == like.size(-1) ? "D" : "R";
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == width, "block step: `", name, "` must be one site's [", symbol, "] with ",
+              symbol, " = ", width, ", got ", t.sizes());
   TORCH_CHECK(t.device() == like.device(), "block step: `", name, "` is on ", t.device(), ", `update` on ",
               like.device());
 }
 
-// A Block step's key_rank (sliced low-rank keys, docs/design.md §2.7): R = D (or unset) is the
-// ordinary step; R < D has no kernel on this backend yet.
-inline void check_full_width_keys(c10::optional<int64_t> key_rank, const at::Tensor& rows, const char* backend) {
-  if (!key_rank.has_value()) return;
+// A Block step's key width R (sliced low-rank keys, docs/design.md §2.7): key_rank, checked to
+// be in [1, D]; D when unset (the ordinary step).
+inline int64_t step_key_dim(c10::optional<int64_t> key_rank, const at::Tensor& rows) {
   const int64_t dim = rows.dim() > 0 ? rows.size(-1) : 0;
+  if (!key_rank.has_value()) return dim;
   TORCH_CHECK(*key_rank >= 1 && *key_rank <= dim, "block step: `key_rank` must be in [1, D] with D = ", dim, ", got ",
               *key_rank);
-  TORCH_CHECK(*key_rank == dim, "block step (", backend, "): sliced low-rank keys (key_rank < D) have no kernel yet");
+  return *key_rank;
 }
 
-// The checked arguments of one call: dtypes, row count, u = query ⊙ norm_weight and g as contiguous [D].
+// R = D (or unset) is the ordinary step; R < D has no kernel on this backend yet.
+inline void check_full_width_keys(c10::optional<int64_t> key_rank, const at::Tensor& rows, const char* backend) {
+  TORCH_CHECK(step_key_dim(key_rank, rows) == (rows.dim() > 0 ? rows.size(-1) : 0), "block step (", backend,
+              "): sliced low-rank keys (key_rank < D) have no kernel yet");
+}
+
+// The checked arguments of one call: dtypes, row count, u = query ⊙ norm_weight ([R]) and g ([D])
+// contiguous in the accumulation dtype (undefined with form_site_params false: the CUDA kernels
+// stage them from the parameters themselves).
 struct StepArgs {
   int64_t M = 0, D = 0;
   at::ScalarType new_dtype, out_dtype, acc_dtype;
@@ -53,7 +63,8 @@ struct StepArgs {
 
 inline StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::Tensor& update, const at::Tensor& query,
                            const c10::optional<at::Tensor>& norm_weight, const at::Tensor& prefix_out,
-                           const at::Tensor& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight) {
+                           const at::Tensor& prefix_lse, const c10::optional<at::Tensor>& out_norm_weight,
+                           int64_t key_dim = -1, bool form_site_params = true) {
   TORCH_CHECK(is_supported_dtype(update.scalar_type()), "block step: `update` has unsupported dtype ",
               update.scalar_type());
   TORCH_CHECK(update.dim() >= 1 && update.size(-1) > 0, "block step: `update` must be [..., D] with D > 0, got ",
@@ -75,17 +86,15 @@ inline StepArgs check_step(const c10::optional<at::Tensor>& partial, const at::T
   TORCH_CHECK(prefix_lse.scalar_type() == a.acc_dtype, "block step: `prefix_lse` must be ", a.acc_dtype,
               " (the accumulation dtype), got ", prefix_lse.scalar_type());
   TORCH_CHECK(prefix_lse.device() == update.device(), "block step: `prefix_lse` is on another device");
-  check_step_site_vector(query, "query", update);
+  if (key_dim < 0) key_dim = a.D;
+  check_step_site_vector(query, "query", update, key_dim);
+  if (norm_weight.has_value()) check_step_site_vector(*norm_weight, "norm_weight", update, key_dim);
+  if (out_norm_weight.has_value()) check_step_site_vector(*out_norm_weight, "out_norm_weight", update, a.D);
+  if (!form_site_params) return a;
   a.u = query.to(a.acc_dtype);
-  if (norm_weight.has_value()) {
-    check_step_site_vector(*norm_weight, "norm_weight", update);
-    a.u = a.u.mul(norm_weight->to(a.acc_dtype));
-  }
+  if (norm_weight.has_value()) a.u = a.u.mul(norm_weight->to(a.acc_dtype));
   a.u = a.u.contiguous();
-  if (out_norm_weight.has_value()) {
-    check_step_site_vector(*out_norm_weight, "out_norm_weight", update);
-    a.g = out_norm_weight->to(a.acc_dtype).contiguous();
-  }
+  if (out_norm_weight.has_value()) a.g = out_norm_weight->to(a.acc_dtype).contiguous();
   return a;
 }
 

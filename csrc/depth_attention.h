@@ -178,10 +178,11 @@ inline void site_params_cpu(const at::Tensor& query, const c10::optional<at::Ten
 }
 
 // u = scale * query ⊙ norm_weight is [Q, key_dim] (key_dim = R for sliced low-rank keys, else D);
-// g = out_norm_weight is [Q, D].
+// g = out_norm_weight is [Q, D]. `form_site_params` false: only the checks (the CUDA kernels stage u
+// and g from the parameters themselves).
 inline SiteParams check_site_params(const at::Tensor& query, const c10::optional<at::Tensor>& norm_weight,
                                     const c10::optional<at::Tensor>& out_norm_weight, const SourceRows& src,
-                                    double scale, int64_t key_dim) {
+                                    double scale, int64_t key_dim, bool form_site_params = true) {
   const at::ScalarType acc = src.acc_dtype;
   const auto device = src.rows[0].device();
   TORCH_CHECK(query.dim() == 1 || query.dim() == 2, "depth attention: `query` must be [D] or [Q, D], got ",
@@ -196,14 +197,10 @@ inline SiteParams check_site_params(const at::Tensor& query, const c10::optional
   if (out_norm_weight.has_value()) {
     check_site_param(*out_norm_weight, "out_norm_weight", p.num_sites, site_dim, src.dim, device);
   }
-  if (device.is_cpu()) {
+  if (form_site_params) {
+    TORCH_INTERNAL_ASSERT(device.is_cpu(), "depth attention: u and g are formed on the host for CPU kernels only");
     site_params_cpu(query, norm_weight, out_norm_weight, scale, p.num_sites, key_dim, src.dim, acc, p);
-    return p;
   }
-  p.u = query.to(acc).expand({p.num_sites, key_dim});
-  if (norm_weight.has_value()) p.u = p.u.mul(norm_weight->to(acc));
-  p.u = scale == 1.0 ? p.u.contiguous() : p.u.mul(scale).contiguous();
-  if (out_norm_weight.has_value()) p.g = out_norm_weight->to(acc).expand({p.num_sites, src.dim}).contiguous();
   return p;
 }
 
@@ -311,7 +308,8 @@ struct CheckedRead {
 inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
                               const c10::optional<at::Tensor>& norm_weight, const c10::optional<at::Tensor>& prefix_out,
                               const c10::optional<at::Tensor>& prefix_lse,
-                              const c10::optional<at::Tensor>& out_norm_weight, const ReadOptions& options) {
+                              const c10::optional<at::Tensor>& out_norm_weight, const ReadOptions& options,
+                              bool form_site_params = true) {
   CheckedRead r{check_sources(sources), {}, {}, {}, options};
   TORCH_CHECK(options.eps >= 0 && options.out_norm_eps >= 0, "depth attention: eps and out_norm_eps must be >= 0");
   TORCH_CHECK(std::isfinite(options.scale), "depth attention: `scale` must be finite, got ", options.scale);
@@ -329,7 +327,7 @@ inline CheckedRead check_read(at::TensorList sources, const at::Tensor& query,
     TORCH_CHECK(!(r.options.key_rank.has_value() && options.normalize_values),
                 "depth attention: `normalize_values` needs full-width keys (key_rank unset or D)");
   }
-  r.site = check_site_params(query, norm_weight, out_norm_weight, r.in, options.scale, r.key_dim());
+  r.site = check_site_params(query, norm_weight, out_norm_weight, r.in, options.scale, r.key_dim(), form_site_params);
   return r;
 }
 

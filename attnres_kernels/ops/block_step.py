@@ -29,7 +29,7 @@ if _native.defines("block_step_fwd"):
 
 def _limit(dim: int, acc: torch.dtype, key_rank: int | None = None):
     def limit(backend: str) -> str | None:
-        if key_rank is not None:
+        if key_rank is not None and backend != "cuda":
             return f"backend {backend!r} has no Block-step kernel for sliced low-rank keys (key_rank) yet"
         fused = _backends.get(backend)
         if fused.max_dim is not None and dim > fused.max_dim(acc):

@@ -39,9 +39,9 @@ def _limit(dim: int, dtype: torch.dtype, options: ReadOptions = PAPER_READ, weig
     ``options`` (``weighted_values``: normalised values times a key-norm weight)."""
 
     def limit(backend: str) -> str | None:
-        if options.normalize_values and weighted_values:
+        if options.normalize_values and weighted_values and backend != "cuda":
             return "the fused kernels normalise the values only without a key-norm weight (norm_weight=None)"
-        if options.key_rank is not None:
+        if options.key_rank is not None and backend != "cuda":
             return f"backend {backend!r} has no kernel for sliced low-rank keys (key_rank) yet"
         fused = _backends.get(backend)
         if fused.max_dim is not None and dim > fused.max_dim(dtype):

@@ -1,9 +1,10 @@
 // CUDA kernels of the fused Block step (DESIGN.md §2.3, phase 2; the CPU op is
 // csrc/cpu/block_step_cpu.cpp): `new_partial = partial + update`, then the next
 // site's read as the merge of its phase-1 read (h_a, lse_a) with the one source
-// new_partial, then optionally the output RMSNorm. Per row, with u = query ⊙ norm_weight:
+// new_partial, then optionally the output RMSNorm. Per row, with u = query ⊙ norm_weight
+// and t the key columns of v (its last R = key_rank columns; every column when R = D):
 //
-//   v = new_partial (rounded to its dtype);  r = rsqrt(mean(v²) + eps);  s = r <u, v>
+//   v = new_partial (rounded to its dtype);  r = rsqrt(mean(t²) + eps);  s = r <u, t>
 //   m = max(lse_a, s);  α_a, α_b = e^{lse_a - m}, e^{s - m} / (e^{lse_a - m} + e^{s - m})
 //   h = α_a h_a + α_b v;  lse = m + log(...);  out = h  or  h * rsqrt(mean(h²) + eps) * g
 //
@@ -24,24 +25,25 @@
 //   without:           do = dy, and the sums <do, h_a>, <do, v>
 //   δ = α_a <do, h_a> + α_b <do, v>;  ds = α_b (<do, v> - δ + dlse)
 //   ∂lse_a = α_a (<do, h_a> - δ + dlse);   ∂h_a = α_a do
-//   ∂v = α_b do + ds r u - ds s r² v / D (+ the incoming ∂new_partial);   du += ds r v
+//   ∂v = α_b do + ds r u - ds s r² t / R (+ the incoming ∂new_partial);   du += ds r t
 // The row outputs are built group by group. du and dg (in shared memory: the
 // registers hold the three rows v, h_a, do) are summed over the chunk's rows and
-// written as one [D] partial per chunk; column_sum_kernel adds the partials in
-// chunk order: no atomics, the same bits on every run. Kernel parameters are
-// only ever read by value (a reference to one would copy the whole parameter
-// block to local memory).
+// written as one partial per chunk ([R] and [D]); site_grads_kernel (the depth
+// read's) adds the partials in chunk order and writes the gradients of query,
+// norm_weight and out_norm_weight in their dtypes: no atomics, the same bits on
+// every run. As in the depth read, u and g are staged from the parameters
+// themselves (no host-side product per call).
 //
-// Global-memory traffic per row (the harness counts it; tests/test_cuda_block_step.py
+// Global-memory traffic per row (the harness counts it; tests/backends/test_cuda_block_step.py
 // checks it exactly), s_x the element size of tensor x, a = sizeof(acc_t), W = T / 32
 // warps per row team (a per-row scalar every lane loads is one request per warp):
 //   forward   reads   D (s_partial + s_update + s_prefix) + a W (lse_a)
 //             writes  D (s_new + s_out) + 3 a (lse, logit, rinv)
 //   backward  reads   D (s_new + s_prefix [+ s_dy] [+ s_dnew]) + (3 [+ 1 dlse]) a W (lse_a, logit, rinv)
 //             writes  D (s_new + s_prefix) + a (d lse_a)
-//   per row team: D a (u) [+ D a (g)] staged once into shared memory; per row
-//   chunk (backward): D a (du) [+ D a (dg)] partial sums, read back once by
-//   column_sum_kernel, which writes D a each.
+//   per row team: the rows of query and norm_weight (R elements each) [and of g, D]
+//   read once; per row chunk (backward): R a (du) [+ D a (dg)] partial sums, read
+//   back once by site_grads_kernel, which writes each parameter gradient once.
 #pragma once
 
 #include <cstdint>
@@ -61,8 +63,10 @@ struct StepFwdParams {
   RowRef partial, update, prefix_out;  // inputs (partial.data null: new_partial = update)
   RowRef new_partial, out;             // outputs (contiguous)
   int64_t rows, dim;                   // M, D
-  const acc_t* u;                      // [D]: query ⊙ norm_weight
-  const acc_t* g;                      // [D] output-norm weight, or null
+  int32_t key_start;                   // D - R: the keys are the columns [key_start, D)
+  acc_t inv_key_dim;                   // 1 / R (rounded to acc_t, as the kernel would)
+  SiteVector query, norm_weight;       // [R] (norm_weight: or absent)
+  SiteVector out_norm_weight;          // [D] output-norm weight g, or absent
   const acc_t* prefix_lse;             // [M]
   acc_t* lse;                          // [M]
   acc_t* logit;                        // [M]: s of the new source
@@ -77,18 +81,20 @@ struct StepBwdParams {
   RowRef new_partial, prefix_out;      // saved inputs
   RowRef grad_total, grad_prefix_out;  // outputs (contiguous): ∂new_partial (total), ∂h_a
   int64_t rows, dim;
-  const acc_t* dlse;        // [M] or null
-  const acc_t* u;           // [D]
-  const acc_t* g;           // [D] or null
+  int32_t key_start;
+  acc_t inv_key_dim;
+  const acc_t* dlse;  // [M] or null
+  SiteVector query, norm_weight, out_norm_weight;
   const acc_t* prefix_lse;  // [M]
   const acc_t* logit;       // [M]
   const acc_t* rinv;        // [M]
   acc_t* d_prefix_lse;      // [M]
-  acc_t* du_part;           // [chunks, D]
+  acc_t* du_part;           // [chunks, R]
   acc_t* dg_part;           // [chunks, D] or null
   int64_t rows_per_chunk, num_chunks;
   acc_t eps;
   bool vec;
+  bool part_vec;  // vec, and the key columns start at a group boundary: vector stores of du
 };
 
 // Values one team reduction carries at most, per pass: forward Σ v², <u, v>
@@ -100,7 +106,7 @@ constexpr int kStepReduceValues[2] = {2, 6};
 // scratch sized for kStepReduceValues and the backward's du kept in shared memory.
 inline DepthPlan plan_block_step(Pass pass, int64_t M, int64_t D, int min_itemsize, bool acc_double, bool has_out_norm,
                                  int num_sms) {
-  DepthPlan plan = plan_depth_attn(pass, M, D, 1, min_itemsize, acc_double, has_out_norm, num_sms);
+  DepthPlan plan = plan_depth_attn(pass, M, D, 1, min_itemsize, acc_double, has_out_norm, false, num_sms);
   const int warps = plan.threads / kWarpSize;
   const int acc_bytes = acc_double ? 8 : 4;
   // Staged arrays: forward u [+ g]; backward u, du [+ g, dg].
@@ -167,16 +173,17 @@ __device__ __forceinline__ void store_row_rounded(RowRef t, int64_t p, int64_t D
 // ------------------------------------------------------------------ forward
 
 template <typename acc_t, int G, int K>
-__global__ void __launch_bounds__(kMaxThreads, 1) block_step_fwd_kernel(StepFwdParams<acc_t> a) {
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    block_step_fwd_kernel(const __grid_constant__ StepFwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
-  const bool has_norm = a.g != nullptr;
+  const bool has_norm = a.out_norm_weight.data != nullptr;
   const int64_t tile = int64_t(K) * G * blockDim.x;
   acc_t* smem = dynamic_shared<acc_t>();
   const SiteTile<acc_t, G, K, 1> u{smem + threadIdx.y * tile};
   const SiteTile<acc_t, G, K, 1> g{smem + (blockDim.y + threadIdx.y) * tile};
-  u.stage(a.u, 1, D);
-  if (has_norm) g.stage(a.g, 1, D);
+  u.stage(a.query, a.norm_weight, acc_t(1), 0, 1, a.key_start, D);
+  if (has_norm) g.stage(a.out_norm_weight, 0, 1, D);
   TeamReducer<acc_t> reducer{smem + (has_norm ? 2 : 1) * blockDim.y * tile, kStepReduceValues[0]};
 
   for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < M; first += int64_t(gridDim.x) * blockDim.y) {
@@ -192,16 +199,16 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_fwd_kernel(StepFwdP
         for (int e = 0; e < G; ++e) v[k][e] = h[k][e] + v[k][e];
     }
     store_row_rounded(a.new_partial, p, D, a.vec, v);
-    acc_t sums[2] = {acc_t(0), acc_t(0)};  // Σ v², <u, v>
+    acc_t sums[2] = {acc_t(0), acc_t(0)};  // Σ t², <u, t>
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
       for (int e = 0; e < G; ++e) {
-        sums[0] += v[k][e] * v[k][e];
+        if (is_key_column<G>(k, e, a.key_start)) sums[0] += v[k][e] * v[k][e];
         sums[1] += u.at(0, k, e) * v[k][e];
       }
     reducer.sum(sums);
-    const acc_t r = acc_t(1) / dev_sqrt(sums[0] * inv_d + a.eps);
+    const acc_t r = acc_t(1) / dev_sqrt(sums[0] * a.inv_key_dim + a.eps);
     const acc_t s = r * sums[1];
     const MergeWeights<acc_t> w = merge_weights(load_uniform(a.prefix_lse + p), s);
     load_row(row_of(a.prefix_out, p), a.prefix_out.dtype, D, a.vec, h);
@@ -234,10 +241,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_fwd_kernel(StepFwdP
 // ------------------------------------------------------------------ backward
 
 template <typename acc_t, int G, int K>
-__global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdParams<acc_t> a) {
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    block_step_bwd_kernel(const __grid_constant__ StepBwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
-  const bool has_norm = a.g != nullptr;
+  const bool has_norm = a.out_norm_weight.data != nullptr;
   const int64_t chunk = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (chunk >= a.num_chunks) return;  // only one-warp teams come several to a block; they use no block barrier
   const int64_t tile = int64_t(K) * G * blockDim.x;
@@ -248,10 +256,10 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
   const SiteTile<acc_t, G, K, 1> du{smem + (blockDim.y + threadIdx.y) * tile};
   const SiteTile<acc_t, G, K, 1> g{smem + (2 * blockDim.y + threadIdx.y) * tile};
   const SiteTile<acc_t, G, K, 1> dg{smem + (3 * blockDim.y + threadIdx.y) * tile};
-  u.stage(a.u, 1, D);
+  u.stage(a.query, a.norm_weight, acc_t(1), 0, 1, a.key_start, D);
   du.zero();
   if (has_norm) {
-    g.stage(a.g, 1, D);
+    g.stage(a.out_norm_weight, 0, 1, D);
     dg.zero();
   }
   TeamReducer<acc_t> reducer{smem + (has_norm ? 4 : 2) * blockDim.y * tile, kStepReduceValues[1]};
@@ -313,9 +321,15 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
     const acc_t delta = w.alpha_a * dp[0] + w.alpha_b * dp[1];
     const acc_t dl = a.dlse != nullptr ? load_uniform(a.dlse + p) : acc_t(0);
     const acc_t ds = w.alpha_b * (dp[1] - delta + dl);
-    const acc_t c1 = ds * r, c2 = -ds * s * r * r * inv_d;
-    // Group by group: ∂v = α_b do + c1 u + c2 v (+ the incoming gradient of new_partial),
-    // ∂h_a = α_a do, du += c1 v.
+    const acc_t c1 = ds * r, c2 = -ds * s * r * r * a.inv_key_dim;
+    // From here on v is the key t (zero outside the key columns).
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int e = 0; e < G; ++e)
+        if (!is_key_column<G>(k, e, a.key_start)) v[k][e] = acc_t(0);
+    // Group by group: ∂v = α_b do + c1 u + c2 t (+ the incoming gradient of new_partial),
+    // ∂h_a = α_a do, du += c1 t.
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       acc_t x[G];
@@ -346,13 +360,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) block_step_bwd_kernel(StepBwdP
   for (int k = 0; k < K; ++k)
 #pragma unroll
     for (int e = 0; e < G; ++e) row[k][e] = du.at(0, k, e);
-  store_acc_row(a.du_part + chunk * D, D, a.vec, row);
+  store_acc_row(a.du_part + chunk * (D - a.key_start), a.key_start, D, a.part_vec, row);
   if (has_norm) {
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
       for (int e = 0; e < G; ++e) row[k][e] = dg.at(0, k, e);
-    store_acc_row(a.dg_part + chunk * D, D, a.vec, row);
+    store_acc_row(a.dg_part + chunk * D, 0, D, a.vec, row);
   }
 }
 
@@ -384,17 +398,17 @@ void launch_block_step_fwd(Runtime& rt, const DepthPlan& plan, const StepFwdPara
   if (!launched) throw std::logic_error("block_step_fwd: no kernel instantiated for the planned tile");
 }
 
-// The backward kernel, then the column sums of the du (and dg) partials into du and dg ([D]).
+// The backward kernel (none without rows), then site_grads_kernel.
 template <typename acc_t, typename Runtime>
-void launch_block_step_bwd(Runtime& rt, const DepthPlan& plan, const StepBwdParams<acc_t>& params, acc_t* du,
-                           acc_t* dg) {
+void launch_block_step_bwd(Runtime& rt, const DepthPlan& plan, const StepBwdParams<acc_t>& params,
+                           const SiteGradParams<acc_t>& site_grads) {
   constexpr bool kDouble = std::is_same_v<acc_t, double>;
-  const bool norm = params.g != nullptr;
-  bool launched = false;
+  const bool norm = params.out_norm_weight.data != nullptr;
+  bool launched = params.rows == 0;
   for_each_value<4, 8>([&](auto G) {
     for_each_value<1, 2>([&](auto K) {
       if constexpr (step_tile_fits(Pass::kBackward, kDouble, G, K)) {
-        if (plan.group == G && plan.groups_per_thread == K) {
+        if (params.rows > 0 && plan.group == G && plan.groups_per_thread == K) {
           const std::string name = step_tile_name("block_step_bwd", kDouble, G, K) + (norm ? "[norm]" : "");
           rt.launch(name, &block_step_bwd_kernel<acc_t, G, K>, dim3(static_cast<unsigned>(plan.grid_x)),
                     dim3(plan.threads, plan.teams), plan.shared_bytes, params);
@@ -404,14 +418,7 @@ void launch_block_step_bwd(Runtime& rt, const DepthPlan& plan, const StepBwdPara
     });
   });
   if (!launched) throw std::logic_error("block_step_bwd: no kernel instantiated for the planned tile");
-  const dim3 grid(static_cast<unsigned>(ceil_div(params.dim, 256)));
-  const std::string name = std::string("column_sum<") + (kDouble ? "double" : "float") + ">";
-  rt.launch(name, &column_sum_kernel<acc_t>, grid, dim3(256), 0, static_cast<const acc_t*>(params.du_part),
-            plan.num_chunks, params.dim, du);
-  if (params.dg_part != nullptr) {
-    rt.launch(name, &column_sum_kernel<acc_t>, grid, dim3(256), 0, static_cast<const acc_t*>(params.dg_part),
-              plan.num_chunks, params.dim, dg);
-  }
+  launch_site_grads<acc_t>(rt, site_grads);
 }
 
 }  // namespace attnres::cuda

@@ -1,9 +1,10 @@
-// CUDA kernels of the depth read (DESIGN.md §2.1, §2.5): forward and backward
-// of Q sites over N sources, optional prefix merge and fused output RMSNorm.
-// Torch-free: nvcc builds them into the extension (ops_cuda.cu) and
-// the host compiler into the SIMT harness (csrc/simt/emulated_ops.cpp); both
-// launch them through launch_depth_attn_fwd / _bwd below, with the launch
-// configuration of plan_depth_attn.
+// CUDA kernels of the depth read (DESIGN.md §2.1, §2.5, §2.7): forward and backward
+// of Q sites over N sources, optional prefix merge and fused output RMSNorm, with
+// every variant of the read's options (scale, normalised values with or without a
+// key-norm weight, sliced low-rank keys). Torch-free: nvcc builds them into the
+// extension (ops_cuda.cu) and the host compiler into the SIMT harness
+// (csrc/simt/emulated_ops.cpp); both launch them through launch_depth_attn_fwd /
+// _bwd below, with the launch configuration of plan_depth_attn.
 //
 // Layout. A row p (one token: the flattened leading dims) is read by a team of
 // T threads (blockDim.x, a multiple of 32). Thread t owns the K groups of G
@@ -12,53 +13,70 @@
 // elements), so a group is one or more 16-byte vector loads when every row is
 // 16-byte aligned and G divides D (else element loads). Teams of
 // one warp come four to a block (blockDim.y = 4); wider teams are a block.
-// The sources are a device table of RowRef (pointer, row stride, dtype): no
-// stacking copy, and each source is loaded in its own dtype (the dtype branch is
-// uniform across the block). Arithmetic is in acc_t (float; double for fp64).
-// A site tile of QT sites is processed per pass; more sites take several tiles.
+// The sources travel in the kernel parameters (SourceTable: pointer, row stride,
+// dtype of each): no stacking copy, no table to allocate or copy per call, and
+// each source is loaded in its own dtype (the dtype branch is uniform across the
+// block). Arithmetic is in acc_t (float; double for fp64). A site tile of QT
+// sites is processed per pass; more sites take several tiles.
+//
+// Site parameters. Each row team stages u = scale · query ⊙ norm_weight (the
+// query side of the logits), and the output-norm weight g, into shared memory
+// straight from the parameters in their own dtypes and layouts ([R] shared by the
+// sites or [Q, R]): no host-side product per call. With sliced low-rank keys the
+// keys are the last R = D - key_start columns: u is staged at those columns and
+// zero elsewhere, and the key norm sums v² over them only (R = D: key_start = 0,
+// every column, the ordinary read's arithmetic).
 //
 // Forward (one pass over the sources, online softmax): per row, for each source
-// i, the team reduces (Σ v², <u_q, v> for q < QT) in one warp-shuffle + shared
-// memory reduction, and every thread folds v (or, with normalize_values, the
-// normalised r_i v) into its QT accumulators.
+// i, the team reduces (Σ_key v², <u_q, v> for q < QT) in one warp-shuffle + shared
+// memory reduction, and every thread folds the value (v; with normalize_values
+// r_i v, times the key-norm weight γ_q when one is given) into its QT accumulators.
 //
 // Backward (fixed-order, no atomics): a team owns a fixed chunk of rows (the
-// chunking depends on M only). Per row, pass A: with the output norm it
-// recomputes h_q = Σ α_qi v_i (+ α_a h_a) in registers, goes back through the
-// norm to do_q and forms δ_q = <do_q, h_q>; without it, δ_q = Σ_i α_qi <do_q, v_i>
-// (as the reference's softmax backward does). Pass B: per source it reduces
-// dp_qi = <do_q, v_i> and writes
-//     dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² v_i / D,
+// chunking depends on M only). Per row, the sources are read in pass A and again
+// in pass B, from global memory or, where they fit (plan_source_cache), from a
+// copy of the row's sources in shared memory made once. Pass A: with the output norm it
+// recomputes h_q = Σ α_qi x_qi (+ α_a h_a) in registers (x_qi the values), goes
+// back through the norm to do_q and forms δ_q = <do_q, h_q>; without it, δ_q =
+// Σ_i α_qi <do_q, x_qi> (as the reference's softmax backward does). Pass B: per
+// source it reduces dp_qi = <do_q, x_qi> and writes, with t_i the key columns of v_i,
+//     dv_i = Σ_q α_qi do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi) r_i² t_i / R,
 //     ds_qi = α_qi (dp_qi - δ_q + dlse_q) + dlogits_qi.
-// With normalize_values the values are x_i = r_i v_i: dp_qi = r_i <do_q, v_i>, and
-//     dv_i = Σ_q α_qi r_i do_q + ds_qi r_i u_q - (Σ_q ds_qi s_qi + α_qi dp_qi) r_i² v_i / D.
-// du (in registers) and dg (in shared memory) are summed over the chunk's rows
-// and written as one [Q, D] partial per chunk; column_sum_kernel adds the
-// partials in chunk order.
+// With normalize_values (R = D) the values are x_qi = r_i v_i (⊙ γ_q): dp_qi =
+// r_i <do_q (⊙ γ_q), v_i>, and
+//     dv_i = Σ_q α_qi r_i do_q (⊙ γ_q) + ds_qi r_i u_q - (Σ_q ds_qi s_qi + α_qi dp_qi) r_i² v_i / D.
+// du = Σ ds r t (in registers), dg (output norm) and dγ_values = Σ α r v ⊙ do
+// (normalised values with a key-norm weight; both in shared memory) are summed
+// over the chunk's rows and written as one partial per chunk; site_grads_kernel
+// adds the partials in chunk order and writes the parameters' gradients in their
+// own dtypes and shapes: dquery = scale du ⊙ γ, dγ = scale du ⊙ query (+ dγ_values),
+// summed over the sites for a parameter the sites share.
 //
-// Global-memory traffic (the harness counts it; tests/test_cuda_io.py checks it
+// Global-memory traffic (the harness counts it; tests/backends/test_cuda_io.py checks it
 // exactly). Per row, with Q <= QT (one site tile), s_i / s_a / s_o the element
 // sizes of source i, the merge prefix and the output, a = sizeof(acc_t), and W =
 // T / 32 warps per row team (a per-row scalar every lane loads is one request
 // per warp):
 //   forward   reads   Σ_i D s_i                        each source element once
 //                     + [merge] Q D s_a + Q a W
-//                     + 32 N W                         source table
 //             writes  Q D s_o                          each output element once
 //                     + Q a (lse) + Q N a (logits) + N a (rinv)
-//   backward  reads   2 Σ_i D s_i                      the floor of this schema: δ_q = <do_q, h_q>
-//                                                      needs every source before any dv_i can be
-//                                                      written, and dv_i needs v_i again
+//   backward  reads   Σ_i D s_i                        with the source cache (fp32 math, when the
+//                                                      row's sources fit in shared memory): each
+//                                                      source element once, the floor; else
+//                     2 Σ_i D s_i                      δ_q = <do_q, h_q> needs every source before
+//                                                      any dv_i can be written, and dv_i needs v_i again
 //                     + Q D s_o (dy) + [merge] Q D s_a
 //                     + (4 Q N + N + Q N + Q [+ Q merge]) a W   logits (softmax max and sum,
 //                                                      passes A and B), rinv, dlogits, dlse, lse_a
 //                     + [normalize_values] N a W      rinv again, in pass A
-//                     + 3 · 32 N W                     source table (passes A, B), gradient table
 //             writes  Σ_i D s_i                        each source gradient element once
 //                     + [merge] Q D s_a + Q a
-//   per row team: Q D a (u) [+ Q D a (g)] staged once into shared memory;
-//   per row chunk (backward): Q D a (du) [+ Q D a (dg)] partial sums, read back
-//   once by column_sum_kernel, which writes Q D a each.
+//   per row team: the site rows of query and norm_weight (Q R elements each) and of
+//   g (Q D) read once [and of γ again, Q D, for normalised values with a key-norm weight];
+//   per row chunk (backward): Q R a (du) [+ Q D a (dg)] [+ Q D a (dγ values)] partial
+//   sums, read back once by site_grads_kernel, which also reads query and norm_weight
+//   once and writes each parameter gradient once.
 // With more sites than QT the forward reads the sources once per site tile (the
 // tiles run side by side as blockIdx.y, so on a GPU largely from L2), and the
 // backward runs one launch per tile, each after the first also reading the
@@ -76,7 +94,9 @@
 
 namespace attnres::cuda {
 
-// One source (or gradient) as an [M, D] matrix with unit column stride.
+// One [M, D] operand with unit column stride (the Block step's rows). 32 bytes, 16-byte
+// aligned: a kernel reads a parameter of this layout with two vector loads (ptxas gives
+// the Block step's backward 8-20 registers fewer than with a packed 24-byte one).
 struct alignas(16) RowRef {
   const void* data;
   int64_t row_stride;  // in elements
@@ -84,16 +104,43 @@ struct alignas(16) RowRef {
   int32_t reserved0 = 0;
   int64_t reserved1 = 0;
 };
-static_assert(sizeof(RowRef) == 32, "RowRef is loaded as two 16-byte vectors");
+
+// The most sources one read takes: the source table travels in the kernel
+// parameters (the backward's, with the gradients' pointers, stays under 4 KiB).
+constexpr int kMaxSources = 128;
+
+// One source of a read: an [M, D] matrix with unit column stride. 16 bytes, read
+// with one vector load from the parameters (separate arrays of pointers, strides
+// and dtypes cost the backward's fp64 tiles the registers they have no room for).
+struct alignas(16) SourceRef {
+  const void* data;
+  int32_t row_stride;  // in elements (a wider stride is made contiguous by the host)
+  int32_t dtype;       // DType
+};
+
+struct SourceTable {
+  SourceRef ref[kMaxSources];
+};
+
+// A per-site parameter: one row of width W shared by every site (site_stride 0)
+// or Q rows site_stride elements apart, unit column stride, in its own dtype.
+// Null data: the parameter is absent.
+struct SiteVector {
+  const void* data;
+  int64_t site_stride;
+  int32_t dtype;
+};
 
 template <typename acc_t>
 struct FwdParams {
-  const RowRef* sources;  // [N]
+  SourceTable sources;  // [N]
   int32_t num_sources;
-  int32_t num_sites;  // Q
-  int64_t rows, dim;  // M, D
-  const acc_t* u;     // [Q, D]: query ⊙ norm_weight
-  const acc_t* g;     // [Q, D] output-norm weight, or null
+  int32_t num_sites;           // Q
+  int64_t rows, dim;           // M, D
+  int32_t key_start;           // D - R: the keys are the columns [key_start, D)
+  SiteVector query;            // [Q?, R]
+  SiteVector norm_weight;      // [Q?, R] or absent
+  SiteVector out_norm_weight;  // [Q?, D] or absent: the fused output norm's weight g
   const void* prefix_out;
   int32_t prefix_dtype;     // [Q, M, D] or null
   const acc_t* prefix_lse;  // [Q, M]
@@ -102,26 +149,28 @@ struct FwdParams {
   acc_t* lse;             // [Q, M]
   acc_t* logits;          // [Q, N, M]
   acc_t* rinv;            // [N, M]
+  acc_t scale;            // of the logits, folded into u
   acc_t eps;              // the key norm's
   acc_t out_eps;          // the output norm's
-  bool normalize_values;  // the values are the normalised sources r_i v_i
+  bool normalize_values;  // the values are the normalised sources r_i v_i (⊙ norm_weight when given)
   bool vec;               // every row 16-byte aligned and D % G == 0: vector loads and stores
 };
 
 template <typename acc_t>
 struct BwdParams {
-  const RowRef* sources;  // [N]
-  const RowRef* grads;    // [N]: the gradient of each source, [M, D] contiguous in its dtype
+  SourceTable sources;       // [N]
+  void* grads[kMaxSources];  // the gradient of each source: [M, D] contiguous in the source's dtype
   int32_t num_sources;
   int32_t num_sites;   // Q
   int32_t first_site;  // q0: this launch handles sites [q0, q0 + QT)
   int64_t rows, dim;
+  int32_t key_start;
+  acc_t inv_key_dim;  // 1 / R
   const void* dy;
   int32_t dy_dtype;      // [Q, M, D]
   const acc_t* dlse;     // [Q, M] or null
   const acc_t* dlogits;  // [Q, N, M] or null
-  const acc_t* u;        // [Q, D]
-  const acc_t* g;        // [Q, D] or null
+  SiteVector query, norm_weight, out_norm_weight;
   const void* prefix_out;
   int32_t prefix_dtype;     // [Q, M, D] or null
   const acc_t* prefix_lse;  // [Q, M]
@@ -129,13 +178,36 @@ struct BwdParams {
   acc_t* d_prefix_lse;      // [Q, M]
   const acc_t* logits;      // [Q, N, M]
   const acc_t* rinv;        // [N, M]
-  acc_t* du_part;           // [chunks, Q, D]
+  acc_t* du_part;           // [chunks, Q, R]
   acc_t* dg_part;           // [chunks, Q, D] or null
+  acc_t* dvw_part;          // [chunks, Q, D] or null: dγ of normalised values with a key-norm weight
   int64_t rows_per_chunk, num_chunks;
+  acc_t scale;
   acc_t out_eps;  // the output norm's (the key norm's is in the saved rinv)
   bool normalize_values;
   bool vec;
-  bool accumulate;  // add to the source gradients (site tiles after the first)
+  bool part_vec;        // vec, and the key columns start at a group boundary: vector stores of du
+  bool accumulate;      // add to the source gradients (site tiles after the first)
+  int32_t cache_words;  // per team, the source cache's 32-bit words (DepthPlan::cache_words)
+};
+
+// The kernel parameters stay within the 4 KiB every CUDA version takes.
+static_assert(sizeof(FwdParams<double>) <= 4096 && sizeof(BwdParams<double>) <= 4096, "kernel parameters over 4 KiB");
+
+// The gradients of the site parameters from the backward's per-chunk partial sums.
+template <typename acc_t>
+struct SiteGradParams {
+  const acc_t* du_part;   // [chunks, Q, R]
+  const acc_t* dg_part;   // [chunks, Q, D] or null
+  const acc_t* dvw_part;  // [chunks, Q, D] or null
+  int64_t num_chunks;
+  int32_t num_sites;
+  int64_t key_dim, dim;  // R, D
+  SiteVector query, norm_weight;
+  acc_t scale;
+  // Written in the dtype and shape of their parameter (site_stride 0: the sites share
+  // the parameter, its gradient is the sum over the sites); data null when absent.
+  SiteVector d_query, d_norm_weight, d_out_norm_weight;
 };
 
 // ------------------------------------------------------------------ tiles and configurations
@@ -153,6 +225,7 @@ constexpr int kMaxGroupElems[2] = {16, 8};            // K * G: one site's row e
 constexpr int kMaxSiteTile[2][2] = {{8, 2}, {2, 1}};  // QT [pass][acc_double]: the per-site scalars
 constexpr int kMaxThreads = 512;                      // per team: leaves 128 registers per thread
 constexpr int kMaxSharedTileBytes = 16384;            // per staged parameter array when QT > 1
+constexpr int64_t kMaxSharedBytes = 99 * 1024;        // per block: the limit of sm_86/89, the smallest sm_80+
 
 // Widest row the kernels hold: 512 threads x 8 elements (the backward's limit).
 constexpr int64_t kMaxDim = 4096;
@@ -193,16 +266,27 @@ struct DepthPlan {
   int64_t grid_x = 0;
   int64_t rows_per_chunk = 0, num_chunks = 0;  // backward
   size_t shared_bytes = 0;
+  int64_t cache_words = 0;  // backward: 32-bit words per team of the source cache; 0 without one
 };
 
 constexpr int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The row arrays a team keeps in shared memory: u, and per option its row (forward)
+// or its row and its gradient's (backward): the output norm's g (dg), the value
+// weight γ of normalised values with a key-norm weight (dγ_values); the backward
+// with both also keeps a row's h' = Σ α r v.
+inline int staged_arrays(Pass pass, bool has_out_norm, bool weighted_values) {
+  if (pass == Pass::kForward) return 1 + int(has_out_norm) + int(weighted_values);
+  return 1 + 2 * (int(has_out_norm) + int(weighted_values)) + int(has_out_norm && weighted_values);
+}
+
 // The launch configuration of a depth read of M rows of width D over Q sites.
 // `min_itemsize`: the narrowest element size among the sources, prefix and
-// output (it sets G: 16 bytes of it). `num_sms` bounds the forward grid (rows
-// are grid-strided); the backward's row chunks depend on M only.
+// output (it sets G: 16 bytes of it). `weighted_values`: normalised values with a
+// key-norm weight. `num_sms` bounds the forward grid (rows are grid-strided); the
+// backward's row chunks depend on M only.
 inline DepthPlan plan_depth_attn(Pass pass, int64_t M, int64_t D, int64_t Q, int min_itemsize, bool acc_double,
-                                 bool has_out_norm, int num_sms) {
+                                 bool has_out_norm, bool weighted_values, int num_sms) {
   if (D < 1 || D > kMaxDim) {
     throw std::invalid_argument("the CUDA depth-read kernels support 1 <= D <= " + std::to_string(kMaxDim) +
                                 ", got D = " + std::to_string(D));
@@ -230,9 +314,15 @@ inline DepthPlan plan_depth_attn(Pass pass, int64_t M, int64_t D, int64_t Q, int
   const int warps = plan.threads / kWarpSize;
   const int reduce_values = pass == Pass::kForward ? plan.site_tile + 1 : 5 * plan.site_tile;
   const int64_t scratch = warps > 1 ? int64_t(2) * warps * reduce_values * acc_bytes : 0;
-  // Staged arrays: u, and with the output norm g (and in the backward its gradient dg).
-  const int arrays = 1 + (has_out_norm ? (pass == Pass::kForward ? 1 : 2) : 0);
-  plan.shared_bytes = static_cast<size_t>(plan.teams * tile_bytes * arrays + scratch);
+  const int64_t shared = plan.teams * tile_bytes * staged_arrays(pass, has_out_norm, weighted_values) + scratch;
+  if (shared > kMaxSharedBytes) {
+    throw std::invalid_argument("D = " + std::to_string(D) + " with " + (acc_double ? "fp64" : "fp32") + " math" +
+                                (has_out_norm ? ", the fused output norm" : "") +
+                                (weighted_values ? " and normalised values with a key-norm weight" : "") + " needs " +
+                                std::to_string(shared) + " bytes of shared memory per block, over the " +
+                                std::to_string(kMaxSharedBytes) + " every sm_80+ GPU has");
+  }
+  plan.shared_bytes = static_cast<size_t>(shared);
   if (pass == Pass::kForward) {
     const int64_t resident = std::max<int64_t>(1, 2048 / (int64_t(plan.threads) * plan.teams));
     plan.grid_x = std::max<int64_t>(1, std::min(ceil_div(M, plan.teams), int64_t(num_sms) * resident));
@@ -244,6 +334,31 @@ inline DepthPlan plan_depth_attn(Pass pass, int64_t M, int64_t D, int64_t Q, int
   return plan;
 }
 
+// Shared memory of one SM of the smallest sm_80+ GPU that has the most (A100: 164 KiB).
+constexpr int64_t kSharedBytesPerSM = 164 * 1024;
+
+// The backward's source cache: the raw bits of a row's sources kept in shared memory
+// (the team's threads' groups, thread-minor) so that both passes decode them from
+// there and the sources cross HBM once, the floor. `itemsizes`: each source's element
+// size. fp32 math only (the fp64 kernels have no registers to spare); taken when the
+// cache and du (then in shared memory) fit beside the staged arrays within
+// kMaxSharedBytes and do not lower the blocks per SM the registers allow (128 per
+// thread: 65536 / (128 T teams)).
+inline void plan_source_cache(DepthPlan& plan, bool acc_double, const int* itemsizes, int num_sources) {
+  if (acc_double) return;
+  int64_t words = 0;
+  for (int i = 0; i < num_sources; ++i) {
+    words += int64_t(plan.groups_per_thread) * (plan.group * itemsizes[i] / 4) * plan.threads;
+  }
+  const int64_t du_bytes =
+      int64_t(plan.teams) * plan.site_tile * plan.groups_per_thread * plan.group * plan.threads * 4;
+  const int64_t shared = int64_t(plan.shared_bytes) + du_bytes + int64_t(plan.teams) * words * 4;
+  const int64_t blocks_by_registers = std::max<int64_t>(1, 65536 / (128 * int64_t(plan.threads) * plan.teams));
+  if (shared > kMaxSharedBytes || shared * blocks_by_registers > kSharedBytesPerSM) return;
+  plan.cache_words = words;
+  plan.shared_bytes = static_cast<size_t>(shared);
+}
+
 // ------------------------------------------------------------------ row tiles
 
 // Offset of the k-th group of this thread in a row.
@@ -252,26 +367,29 @@ __device__ __forceinline__ int64_t group_start(int k) {
   return (int64_t(k) * blockDim.x + threadIdx.x) * G;
 }
 
-// Stores a row of the accumulation type (the du / dg partial sums).
+// Stores this thread's elements of columns [first, D) of a row of the accumulation
+// type at row[d - first] (the partial sums: du over the key columns, dg over all).
+// `vec`: 16-byte stores, for rows 16-byte aligned with `first` a multiple of G
+// (a group lies wholly inside or outside the columns).
 template <int G, int K, typename acc_t>
-__device__ __forceinline__ void store_acc_row(acc_t* row, int64_t D, bool vec, const acc_t (&x)[K][G]) {
+__device__ __forceinline__ void store_acc_row(acc_t* row, int64_t first, int64_t D, bool vec, const acc_t (&x)[K][G]) {
   constexpr int kChunk = 16 / int(sizeof(acc_t));  // G (4 or 8) is a multiple
 #pragma unroll
   for (int k = 0; k < K; ++k) {
     const int64_t d0 = group_start<G>(k);
     if (vec) {
-      if (d0 < D) {
+      if (d0 < D && d0 >= first) {
 #pragma unroll
         for (int c = 0; c < G / kChunk; ++c) {
           uint4 bits;
           std::memcpy(&bits, &x[k][c * kChunk], 16);
-          store_global(reinterpret_cast<uint4*>(row + d0 + c * kChunk), bits);
+          store_global(reinterpret_cast<uint4*>(row + (d0 - first) + c * kChunk), bits);
         }
       }
     } else {
 #pragma unroll
       for (int e = 0; e < G; ++e)
-        if (d0 + e < D) store_global(row + d0 + e, x[k][e]);
+        if (d0 + e >= first && d0 + e < D) store_global(row + (d0 + e - first), x[k][e]);
     }
   }
 }
@@ -458,7 +576,83 @@ __device__ __forceinline__ void store_row(void* row, int32_t dtype, int64_t D, b
   }
 }
 
-// The per-site parameter rows (u, g) a thread uses, staged once per block in
+// The backward's source cache: cache_row copies the raw bits of this thread's groups of
+// a row into `cache` ([K][words][T] words, words = G * size / 4: thread-minor,
+// conflict-free, each thread touching only its own slots), load_cached_row decodes
+// them like load_row. Both return the words the row takes.
+template <int G, int K, typename acc_t>
+__device__ __forceinline__ int cache_row(const void* row, int32_t dtype, int64_t D, bool vec, uint32_t* cache) {
+  const int size = dtype_size(dtype), words = G * size / 4;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t d0 = group_start<G>(k);
+    RawGroup<G, acc_t> raw;
+    load_group(static_cast<const char*>(row) + d0 * size, size, vec, D - d0, raw);
+#pragma unroll
+    for (int w = 0; w < RawGroup<G, acc_t>::kWords; ++w) {
+      if (w < words) cache[(k * words + w) * blockDim.x + threadIdx.x] = raw.w[w];
+    }
+  }
+  return K * words * blockDim.x;
+}
+
+template <int G, int K, typename acc_t>
+__device__ __forceinline__ int load_cached_row(int32_t dtype, const uint32_t* cache, acc_t (&x)[K][G]) {
+  const int words = G * dtype_size(dtype) / 4;
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    RawGroup<G, acc_t> raw;
+#pragma unroll
+    for (int w = 0; w < RawGroup<G, acc_t>::kWords; ++w) {
+      raw.w[w] = w < words ? cache[(k * words + w) * blockDim.x + threadIdx.x] : 0u;
+    }
+    decode(raw, dtype, x[k]);
+  }
+  return K * words * blockDim.x;
+}
+
+// Element i of an array of `dtype` (any of the four: a site parameter may differ
+// from the sources), converted to acc_t; and its store, rounded to nearest even.
+template <typename acc_t>
+__device__ __forceinline__ acc_t load_scalar(const void* base, int32_t dtype, int64_t i) {
+  switch (dtype) {
+    case kBFloat16:
+      return static_cast<acc_t>(to_float(BFloat16{load_global(static_cast<const uint16_t*>(base) + i)}));
+    case kFloat16:
+      return static_cast<acc_t>(to_float(Half{load_global(static_cast<const uint16_t*>(base) + i)}));
+    case kFloat32:
+      return static_cast<acc_t>(load_global(static_cast<const float*>(base) + i));
+    default:
+      return static_cast<acc_t>(load_global(static_cast<const double*>(base) + i));
+  }
+}
+
+template <typename acc_t>
+__device__ __forceinline__ void store_scalar(const void* base, int32_t dtype, int64_t i, acc_t x) {
+  void* p = const_cast<void*>(base);
+  switch (dtype) {
+    case kBFloat16:
+      store_global(static_cast<uint16_t*>(p) + i, from_acc<BFloat16>(x).bits);
+      break;
+    case kFloat16:
+      store_global(static_cast<uint16_t*>(p) + i, from_acc<Half>(x).bits);
+      break;
+    case kFloat32:
+      store_global(static_cast<float*>(p) + i, static_cast<float>(x));
+      break;
+    default:
+      store_global(static_cast<double*>(p) + i, static_cast<double>(x));
+      break;
+  }
+}
+
+// Element j of site q's row of a site parameter.
+template <typename acc_t>
+__device__ __forceinline__ acc_t site_element(SiteVector x, int64_t q, int64_t j) {
+  return load_scalar<acc_t>(x.data, x.dtype, q * x.site_stride + j);
+}
+
+// The per-site parameter rows (u, g, ...) a thread uses, staged once per block in
 // shared memory, thread-minor ([QT][K][G][T]: conflict-free, and each thread
 // touches only its own slots, so staging needs no barrier).
 template <typename acc_t, int G, int K, int QT>
@@ -467,7 +661,12 @@ struct SiteTile {
   __device__ __forceinline__ acc_t& at(int q, int k, int e) const {
     return base[((q * K + k) * G + e) * blockDim.x + threadIdx.x];
   }
-  __device__ __forceinline__ void stage(const acc_t* rows, int nq, int64_t D) const {
+  // Column d of site q0 + q holds scale · x[d - first] (⊙ y[d - first] when y is
+  // given), converted to acc_t and rounded after each product as the CPU kernels
+  // round u; columns before `first` (the non-key columns of low-rank keys), past
+  // D and sites past nq hold zero.
+  __device__ __forceinline__ void stage(SiteVector x, SiteVector y, acc_t scale, int q0, int nq, int64_t first,
+                                        int64_t D) const {
 #pragma unroll
     for (int q = 0; q < QT; ++q)
 #pragma unroll
@@ -475,8 +674,17 @@ struct SiteTile {
 #pragma unroll
         for (int e = 0; e < G; ++e) {
           const int64_t d = group_start<G>(k) + e;
-          at(q, k, e) = q < nq && d < D ? load_global(rows + q * D + d) : acc_t(0);
+          acc_t value = acc_t(0);
+          if (q < nq && d >= first && d < D) {
+            value = site_element<acc_t>(x, q0 + q, d - first);
+            if (y.data != nullptr) value *= site_element<acc_t>(y, q0 + q, d - first);
+            value *= scale;
+          }
+          at(q, k, e) = value;
         }
+  }
+  __device__ __forceinline__ void stage(SiteVector x, int q0, int nq, int64_t D) const {
+    stage(x, SiteVector{nullptr, 0, 0}, acc_t(1), q0, nq, 0, D);
   }
   __device__ __forceinline__ void zero() const {
 #pragma unroll
@@ -531,39 +739,56 @@ __device__ __forceinline__ void fill(acc_t (&x)[K][G], acc_t value) {
     for (int e = 0; e < G; ++e) x[k][e] = value;
 }
 
-// This thread's part of dp_q = <x_q, v> for each site q.
+// Whether this thread's element e of group k is a key column (column >= key_start).
+// In 32-bit arithmetic (D <= kMaxDim): recomputed where used, it holds no register
+// across the row loop (the fp64 backward's tiles have none to spare).
+template <int G>
+__device__ __forceinline__ bool is_key_column(int k, int e, int key_start) {
+  return int((k * blockDim.x + threadIdx.x) * G + e) >= key_start;
+}
+
+// This thread's part of dp_q = <x_q, v> for each site q; with `weighted`, of
+// <x_q ⊙ w_q, v> (the values of normalised values with a key-norm weight w).
 template <int G, int K, int QT, typename acc_t>
-__device__ __forceinline__ void row_dots(const acc_t (&x)[QT][K][G], const acc_t (&v)[K][G], acc_t (&dp)[QT]) {
+__device__ __forceinline__ void row_dots(const acc_t (&x)[QT][K][G], const acc_t (&v)[K][G],
+                                         const SiteTile<acc_t, G, K, QT>& w, bool weighted, acc_t (&dp)[QT]) {
 #pragma unroll
   for (int q = 0; q < QT; ++q) {
     dp[q] = acc_t(0);
 #pragma unroll
     for (int k = 0; k < K; ++k)
 #pragma unroll
-      for (int e = 0; e < G; ++e) dp[q] += x[q][k][e] * v[k][e];
+      for (int e = 0; e < G; ++e) dp[q] += (weighted ? x[q][k][e] * w.at(q, k, e) : x[q][k][e]) * v[k][e];
   }
 }
 
 // ------------------------------------------------------------------ forward
 
 template <typename acc_t, int G, int K, int QT>
-__global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParams<acc_t> a) {
+__global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(const __grid_constant__ FwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const int N = a.num_sources;
   const int q0 = blockIdx.y * QT;
   const int nq = imin(QT, a.num_sites - q0);
+  const bool has_norm = a.out_norm_weight.data != nullptr;
+  const bool weighted_values = a.normalize_values && a.norm_weight.data != nullptr;
+  const acc_t key_dim = static_cast<acc_t>(D - a.key_start);  // R
   const int64_t tile = int64_t(QT) * K * G * blockDim.x;
   acc_t* smem = dynamic_shared<acc_t>();
-  const SiteTile<acc_t, G, K, QT> u{smem + threadIdx.y * tile};
-  const SiteTile<acc_t, G, K, QT> g{smem + (blockDim.y + threadIdx.y) * tile};
-  u.stage(a.u + int64_t(q0) * D, nq, D);
-  if (a.g != nullptr) g.stage(a.g + int64_t(q0) * D, nq, D);
-  TeamReducer<acc_t> reducer{smem + (a.g != nullptr ? 2 : 1) * blockDim.y * tile, QT + 1};
+  int arrays = 0;
+  auto next_array = [&] { return smem + (arrays++ * blockDim.y + threadIdx.y) * tile; };
+  const SiteTile<acc_t, G, K, QT> u{next_array()};
+  const SiteTile<acc_t, G, K, QT> g{has_norm ? next_array() : nullptr};
+  const SiteTile<acc_t, G, K, QT> vw{weighted_values ? next_array() : nullptr};  // the values' weight γ
+  u.stage(a.query, a.norm_weight, a.scale, q0, nq, a.key_start, D);
+  if (has_norm) g.stage(a.out_norm_weight, q0, nq, D);
+  if (weighted_values) vw.stage(a.norm_weight, q0, nq, D);
+  TeamReducer<acc_t> reducer{smem + arrays * blockDim.y * tile, QT + 1};
 
   for (int64_t first = int64_t(blockIdx.x) * blockDim.y; first < M; first += int64_t(gridDim.x) * blockDim.y) {
     const int64_t p = first + threadIdx.y;
     if (p >= M) continue;  // only one-warp teams come several to a block; they use no block barrier
-    // Online softmax per site: running max `mx`, sum `den`, and acc = Σ e^{s - mx} v.
+    // Online softmax per site: running max `mx`, sum `den`, and acc = Σ e^{s - mx} x.
     // A merge prefix enters as one source with logit lse_a and value h_a.
     acc_t acc[QT][K][G], mx[QT], den[QT];
 #pragma unroll
@@ -580,22 +805,22 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
       }
     }
     for (int i = 0; i < N; ++i) {
-      const RowRef src = load_uniform(a.sources + i);
+      const SourceRef src = a.sources.ref[i];
       acc_t v[K][G];
       load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
-      acc_t part[QT + 1];
+      acc_t part[QT + 1];  // Σ_key v², <u_q, v>
 #pragma unroll
       for (int j = 0; j <= QT; ++j) part[j] = acc_t(0);
 #pragma unroll
       for (int k = 0; k < K; ++k)
 #pragma unroll
         for (int e = 0; e < G; ++e) {
-          part[0] += v[k][e] * v[k][e];
+          if (is_key_column<G>(k, e, a.key_start)) part[0] += v[k][e] * v[k][e];
 #pragma unroll
           for (int q = 0; q < QT; ++q) part[1 + q] += u.at(q, k, e) * v[k][e];
         }
       reducer.sum(part);
-      const acc_t r = acc_t(1) / dev_sqrt(part[0] / static_cast<acc_t>(D) + a.eps);
+      const acc_t r = acc_t(1) / dev_sqrt(part[0] / key_dim + a.eps);
       if (threadIdx.x == 0) {
         if (blockIdx.y == 0) store_global(a.rinv + int64_t(i) * M + p, r);
         for (int q = 0; q < nq; ++q) store_global(a.logits + (int64_t(q0 + q) * N + i) * M + p, r * part[1 + q]);
@@ -610,6 +835,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
       for (int q = 0; q < QT; ++q) {
         if (q >= nq) continue;
         const acc_t s = r * part[1 + q];
+        // The value of site q: v, or v ⊙ γ_q for normalised values with a key-norm weight.
+        auto value = [&](int k, int e) { return weighted_values ? v[k][e] * vw.at(q, k, e) : v[k][e]; };
         if (s > mx[q] || dev_isnan(s)) {  // a new maximum (NaN propagates like the reference softmax)
           const acc_t rescale = dev_exp(mx[q] - s);
           mx[q] = s;
@@ -617,21 +844,21 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
 #pragma unroll
           for (int k = 0; k < K; ++k)
 #pragma unroll
-            for (int e = 0; e < G; ++e) acc[q][k][e] = acc[q][k][e] * rescale + v[k][e];
+            for (int e = 0; e < G; ++e) acc[q][k][e] = acc[q][k][e] * rescale + value(k, e);
         } else {
           const acc_t w = dev_exp(s - mx[q]);
           den[q] += w;
 #pragma unroll
           for (int k = 0; k < K; ++k)
 #pragma unroll
-            for (int e = 0; e < G; ++e) acc[q][k][e] += w * v[k][e];
+            for (int e = 0; e < G; ++e) acc[q][k][e] += w * value(k, e);
         }
       }
     }
     acc_t scale[QT];
 #pragma unroll
     for (int q = 0; q < QT; ++q) scale[q] = acc_t(1) / den[q];
-    if (a.g != nullptr) {  // fused output RMSNorm: y = h * rsqrt(mean(h²) + eps) * g
+    if (has_norm) {  // fused output RMSNorm: y = h * rsqrt(mean(h²) + eps) * g
       acc_t sumsq[QT];
 #pragma unroll
       for (int q = 0; q < QT; ++q) {
@@ -672,9 +899,11 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_fwd_kernel(FwdParam
 // ------------------------------------------------------------------ backward
 
 // kNorm (the fused output norm) is a template parameter: the two variants of
-// pass A together would not fit the register budget.
-template <typename acc_t, int G, int K, int QT, bool kNorm>
-__global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParams<acc_t> a) {
+// pass A together would not fit the register budget. So is kCache, the source
+// cache (DepthPlan::cache_words): with it du lives in shared memory, its registers
+// going to the cache's addressing.
+template <typename acc_t, int G, int K, int QT, bool kNorm, bool kCache>
+__global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(const __grid_constant__ BwdParams<acc_t> a) {
   const int64_t M = a.rows, D = a.dim;
   const int N = a.num_sources, Q = a.num_sites;
   const int q0 = a.first_site;
@@ -683,22 +912,48 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
   if (chunk >= a.num_chunks) return;  // only one-warp teams come several to a block; they use no block barrier
   const bool has_prefix = a.prefix_out != nullptr;
   constexpr bool has_norm = kNorm;
+  const bool weighted_values = a.normalize_values && a.norm_weight.data != nullptr;
   const acc_t inv_d = acc_t(1) / static_cast<acc_t>(D);
   const int64_t tile = int64_t(QT) * K * G * blockDim.x;
   acc_t* smem = dynamic_shared<acc_t>();
-  const SiteTile<acc_t, G, K, QT> u{smem + threadIdx.y * tile};
-  const SiteTile<acc_t, G, K, QT> g{smem + (blockDim.y + threadIdx.y) * tile};
-  const SiteTile<acc_t, G, K, QT> dg{smem + (2 * blockDim.y + threadIdx.y) * tile};  // Σ over the chunk's rows
-  u.stage(a.u + int64_t(q0) * D, nq, D);
+  int arrays = 0;
+  auto next_array = [&] { return smem + (arrays++ * blockDim.y + threadIdx.y) * tile; };
+  const SiteTile<acc_t, G, K, QT> u{next_array()};
+  const SiteTile<acc_t, G, K, QT> g{has_norm ? next_array() : nullptr};
+  const SiteTile<acc_t, G, K, QT> dg{has_norm ? next_array() : nullptr};          // Σ over the chunk's rows
+  const SiteTile<acc_t, G, K, QT> vw{weighted_values ? next_array() : nullptr};   // the values' weight γ
+  const SiteTile<acc_t, G, K, QT> dvw{weighted_values ? next_array() : nullptr};  // its gradient, Σ over rows
+  // h'_q = Σ_i α_qi r_i v_i of the row, between pass A's sums and its dγ_values (output norm only).
+  const SiteTile<acc_t, G, K, QT> hs{has_norm && weighted_values ? next_array() : nullptr};
+  const SiteTile<acc_t, G, K, QT> du_shared{kCache ? next_array() : nullptr};
+  if constexpr (kCache) du_shared.zero();
+  u.stage(a.query, a.norm_weight, a.scale, q0, nq, a.key_start, D);
   if constexpr (has_norm) {
-    g.stage(a.g + int64_t(q0) * D, nq, D);
+    g.stage(a.out_norm_weight, q0, nq, D);
     dg.zero();
   }
-  TeamReducer<acc_t> reducer{smem + (has_norm ? 3 : 1) * blockDim.y * tile, 5 * QT};
+  if (weighted_values) {
+    vw.stage(a.norm_weight, q0, nq, D);
+    dvw.zero();
+  }
+  TeamReducer<acc_t> reducer{smem + arrays * blockDim.y * tile, 5 * QT};
+  const int warps = blockDim.x / kWarpSize;
+  uint32_t* const cache =
+      reinterpret_cast<uint32_t*>(reducer.scratch + (warps > 1 ? 2 * warps * 5 * QT : 0)) + threadIdx.y * a.cache_words;
 
-  acc_t du[QT][K][G];
+  // du = Σ ds r t over the chunk's rows: in registers, or in shared memory beside the cache.
+  acc_t du_registers[kCache ? 1 : QT][K][G];
+  if constexpr (!kCache) {
 #pragma unroll
-  for (int q = 0; q < QT; ++q) fill(du[q], acc_t(0));
+    for (int q = 0; q < QT; ++q) fill(du_registers[q], acc_t(0));
+  }
+  auto du = [&](int q, int k, int e) -> acc_t& {
+    if constexpr (kCache) {
+      return du_shared.at(q, k, e);
+    } else {
+      return du_registers[q][k][e];
+    }
+  };
   const int64_t row_end = imin(M, (chunk + 1) * a.rows_per_chunk);
   for (int64_t p = chunk * a.rows_per_chunk; p < row_end; ++p) {
     // Softmax of the saved logits: α_qi = e^{s_qi - top_q} · inv_q (and α_a for the prefix).
@@ -725,6 +980,25 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
     auto alpha = [&](int q, int i) {
       return dev_exp(load_uniform(a.logits + (int64_t(q0 + q) * N + i) * M + p) - top[q]) * inv[q];
     };
+    // With the cache, the row's sources are copied into it first (their only read from
+    // global memory) and both passes decode them from there; `offset` walks it in source order.
+    int offset = 0;
+    if constexpr (kCache) {
+      for (int i = 0; i < N; ++i) {
+        const SourceRef src = a.sources.ref[i];
+        offset += cache_row<G, K, acc_t>(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec,
+                                         cache + offset);
+      }
+      offset = 0;
+    }
+    auto load_source = [&](int i, acc_t(&v)[K][G]) {
+      const SourceRef src = a.sources.ref[i];
+      if constexpr (kCache) {
+        offset += load_cached_row(src.dtype, cache + offset, v);
+      } else {
+        load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+      }
+    };
 
     // do_q starts as dy_q.
     acc_t dO[QT][K][G];
@@ -739,14 +1013,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
 
     acc_t delta[QT], dp_a[QT];
     if constexpr (has_norm) {
-      // Pass A: h_q = Σ_i α_qi v_i (+ α_a h_a) in registers, then do through the output norm.
+      // Pass A: h_q = Σ_i α_qi x_qi (+ α_a h_a) in registers, then do through the output norm.
       acc_t h[QT][K][G];
 #pragma unroll
       for (int q = 0; q < QT; ++q) fill(h[q], acc_t(0));
       for (int i = 0; i < N; ++i) {
-        const RowRef src = load_uniform(a.sources + i);
         acc_t v[K][G];
-        load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+        load_source(i, v);
         const acc_t r = a.normalize_values ? load_uniform(a.rinv + int64_t(i) * M + p) : acc_t(1);
 #pragma unroll
         for (int q = 0; q < QT; ++q) {
@@ -757,6 +1030,19 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
 #pragma unroll
             for (int e = 0; e < G; ++e) h[q][k][e] += w * v[k][e];
         }
+      }
+      // With weighted values that is h'_q: kept in shared memory for dγ_values = do ⊙ h',
+      // and h_q = γ_q ⊙ h'_q in registers.
+      if (weighted_values) {
+#pragma unroll
+        for (int q = 0; q < QT; ++q)
+#pragma unroll
+          for (int k = 0; k < K; ++k)
+#pragma unroll
+            for (int e = 0; e < G; ++e) {
+              hs.at(q, k, e) = h[q][k][e];
+              h[q][k][e] *= vw.at(q, k, e);
+            }
       }
       // Row sums per site: ||h||², <g dy, h>, <g dy, h_a>, <h - α_a h_a, h_a>, ||h_a||².
       acc_t sums[5 * QT];
@@ -803,6 +1089,7 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
             dg.at(q, k, e) += rstd * dO[q][k][e] * h[q][k][e];
             dO[q][k][e] = g.at(q, k, e) * dO[q][k][e] * rstd + h[q][k][e] * k_coef;
             delta[q] += dO[q][k][e] * h[q][k][e];
+            if (weighted_values) dvw.at(q, k, e) += dO[q][k][e] * hs.at(q, k, e);
           }
       }
       reducer.sum(delta);
@@ -812,15 +1099,24 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
 #pragma unroll
       for (int q = 0; q < QT; ++q) delta[q] = dp_a[q] = acc_t(0);
       for (int i = 0; i < N; ++i) {
-        const RowRef src = load_uniform(a.sources + i);
         acc_t v[K][G], dp[QT];
-        load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
-        row_dots(dO, v, dp);
+        load_source(i, v);
+        row_dots(dO, v, vw, weighted_values, dp);
         reducer.sum(dp);
         const acc_t r = a.normalize_values ? load_uniform(a.rinv + int64_t(i) * M + p) : acc_t(1);
 #pragma unroll
-        for (int q = 0; q < QT; ++q)
-          if (q < nq) delta[q] += alpha(q, i) * (dp[q] * r);
+        for (int q = 0; q < QT; ++q) {
+          if (q >= nq) continue;
+          const acc_t alpha_qi = alpha(q, i);
+          delta[q] += alpha_qi * (dp[q] * r);
+          if (weighted_values) {  // dγ_values += α r v ⊙ do
+            const acc_t w = alpha_qi * r;
+#pragma unroll
+            for (int k = 0; k < K; ++k)
+#pragma unroll
+              for (int e = 0; e < G; ++e) dvw.at(q, k, e) += w * v[k][e] * dO[q][k][e];
+          }
+        }
       }
       if (has_prefix) {
 #pragma unroll
@@ -853,14 +1149,32 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
       }
     }
 
-    // Pass B: per source, dp_qi = <do_q, v_i>, then dv_i and du.
+    // Weighted values: from here on do_q ⊙ γ_q stands for do_q, so that pass B is the unweighted
+    // one (dp_qi = r_i <do_q ⊙ γ_q, v_i>, the bits pass A summed; dv_i's do term α r do ⊙ γ).
+    if (weighted_values) {
+#pragma unroll
+      for (int q = 0; q < QT; ++q)
+#pragma unroll
+        for (int k = 0; k < K; ++k)
+#pragma unroll
+          for (int e = 0; e < G; ++e) dO[q][k][e] *= vw.at(q, k, e);
+    }
+
+    // Pass B: per source, dp_qi = <do_q, x_qi>, then dv_i and du.
+    offset = 0;
     for (int i = 0; i < N; ++i) {
-      const RowRef src = load_uniform(a.sources + i);
       acc_t v[K][G];
-      load_row(row_ptr(src.data, src.dtype, src.row_stride, p), src.dtype, D, a.vec, v);
+      load_source(i, v);
       acc_t dp[QT];
-      row_dots(dO, v, dp);
+      row_dots(dO, v, vw, false, dp);
       reducer.sum(dp);
+      // From here on v is the key t_i (zero outside the key columns): the key norm's term of
+      // dv and du = Σ ds r t (its other columns are not stored) see the key only.
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int e = 0; e < G; ++e)
+          if (!is_key_column<G>(k, e, a.key_start)) v[k][e] = acc_t(0);
       const acc_t r = load_uniform(a.rinv + int64_t(i) * M + p);
       // w: the weight of do in dv (α, or α r for normalised values, whose norm also adds
       // α dp to the coefficient of v).
@@ -884,13 +1198,13 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
           w[q] = alpha_qi;
         }
       }
-      c2 *= r * r * inv_d;
+      c2 *= r * r * a.inv_key_dim;
 #pragma unroll
       for (int q = 0; q < QT; ++q)
 #pragma unroll
         for (int k = 0; k < K; ++k)
 #pragma unroll
-          for (int e = 0; e < G; ++e) du[q][k][e] += c1[q] * v[k][e];
+          for (int e = 0; e < G; ++e) du(q, k, e) += c1[q] * v[k][e];
       // v becomes dv_i in place.
 #pragma unroll
       for (int k = 0; k < K; ++k)
@@ -904,37 +1218,92 @@ __global__ void __launch_bounds__(kMaxThreads, 1) depth_attn_bwd_kernel(BwdParam
           }
           v[k][e] = dv;
         }
-      const RowRef dst = load_uniform(a.grads + i);
-      void* drow = const_cast<void*>(row_ptr(dst.data, dst.dtype, dst.row_stride, p));
-      store_row(drow, dst.dtype, D, a.vec, v, a.accumulate);
+      const int32_t dtype = a.sources.ref[i].dtype;
+      store_row(static_cast<char*>(a.grads[i]) + p * D * dtype_size(dtype), dtype, D, a.vec, v, a.accumulate);
     }
   }
-  // This chunk's partial sums of du (and dg) over its rows.
+  // This chunk's partial sums of du (over the key columns), dg and dγ_values over its rows.
 #pragma unroll
   for (int q = 0; q < QT; ++q) {
     if (q >= nq) continue;
     const int64_t prow = chunk * Q + q0 + q;
-    store_acc_row(a.du_part + prow * D, D, a.vec, du[q]);
+    acc_t row[K][G];
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+#pragma unroll
+      for (int e = 0; e < G; ++e) row[k][e] = du(q, k, e);
+    store_acc_row(a.du_part + prow * (D - a.key_start), a.key_start, D, a.part_vec, row);
     if constexpr (has_norm) {
-      acc_t dg_row[K][G];
 #pragma unroll
       for (int k = 0; k < K; ++k)
 #pragma unroll
-        for (int e = 0; e < G; ++e) dg_row[k][e] = dg.at(q, k, e);
-      store_acc_row(a.dg_part + prow * D, D, a.vec, dg_row);
+        for (int e = 0; e < G; ++e) row[k][e] = dg.at(q, k, e);
+      store_acc_row(a.dg_part + prow * D, 0, D, a.vec, row);
+    }
+    if (weighted_values) {
+#pragma unroll
+      for (int k = 0; k < K; ++k)
+#pragma unroll
+        for (int e = 0; e < G; ++e) row[k][e] = dvw.at(q, k, e);
+      store_acc_row(a.dvw_part + prow * D, 0, D, a.vec, row);
     }
   }
 }
 
-// out[j] = Σ_c parts[c, j], summed in chunk order (stage 2 of the row reductions).
+// The gradients of the site parameters (stage 2 of the row reductions): thread j
+// sums column j of the partials in chunk order, site by site, and writes
+//   dquery = scale du ⊙ norm_weight (scale du without one),  dnorm_weight = scale du ⊙ query
+//   (+ dγ_values),  dout_norm_weight = dg,
+// each summed over the sites (in site order) when the sites share the parameter.
 template <typename acc_t>
-__global__ void __launch_bounds__(256)
-    column_sum_kernel(const acc_t* parts, int64_t num_parts, int64_t cols, acc_t* out) {
+__global__ void __launch_bounds__(256) site_grads_kernel(const __grid_constant__ SiteGradParams<acc_t> a) {
   const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= cols) return;
-  acc_t total = acc_t(0);
-  for (int64_t c = 0; c < num_parts; ++c) total += load_global(parts + c * cols + j);
-  store_global(out + j, total);
+  const int64_t R = a.key_dim, D = a.dim;
+  const int Q = a.num_sites;
+  if (j >= D) return;
+  const bool has_norm_weight = a.norm_weight.data != nullptr;
+  // The sums over the sites of the gradients of parameters the sites share.
+  acc_t dquery_sum = acc_t(0), dnorm_sum = acc_t(0), dg_sum = acc_t(0);
+  for (int q = 0; q < Q; ++q) {
+    if (j < R) {
+      acc_t du = acc_t(0);
+      for (int64_t c = 0; c < a.num_chunks; ++c) du += load_global(a.du_part + (c * Q + q) * R + j);
+      du *= a.scale;
+      const acc_t dquery = has_norm_weight ? du * site_element<acc_t>(a.norm_weight, q, j) : du;
+      if (a.d_query.site_stride == 0) {
+        dquery_sum += dquery;
+      } else {
+        store_scalar(a.d_query.data, a.d_query.dtype, q * a.d_query.site_stride + j, dquery);
+      }
+      if (has_norm_weight) {
+        acc_t dnorm = du * site_element<acc_t>(a.query, q, j);
+        if (a.dvw_part != nullptr) {
+          for (int64_t c = 0; c < a.num_chunks; ++c) dnorm += load_global(a.dvw_part + (c * Q + q) * D + j);
+        }
+        if (a.d_norm_weight.site_stride == 0) {
+          dnorm_sum += dnorm;
+        } else {
+          store_scalar(a.d_norm_weight.data, a.d_norm_weight.dtype, q * a.d_norm_weight.site_stride + j, dnorm);
+        }
+      }
+    }
+    if (a.dg_part != nullptr) {
+      acc_t dg = acc_t(0);
+      for (int64_t c = 0; c < a.num_chunks; ++c) dg += load_global(a.dg_part + (c * Q + q) * D + j);
+      if (a.d_out_norm_weight.site_stride == 0) {
+        dg_sum += dg;
+      } else {
+        store_scalar(a.d_out_norm_weight.data, a.d_out_norm_weight.dtype, q * a.d_out_norm_weight.site_stride + j, dg);
+      }
+    }
+  }
+  if (j < R && a.d_query.site_stride == 0) store_scalar(a.d_query.data, a.d_query.dtype, j, dquery_sum);
+  if (j < R && has_norm_weight && a.d_norm_weight.site_stride == 0) {
+    store_scalar(a.d_norm_weight.data, a.d_norm_weight.dtype, j, dnorm_sum);
+  }
+  if (a.dg_part != nullptr && a.d_out_norm_weight.site_stride == 0) {
+    store_scalar(a.d_out_norm_weight.data, a.d_out_norm_weight.dtype, j, dg_sum);
+  }
 }
 
 // ------------------------------------------------------------------ host launchers
@@ -965,25 +1334,41 @@ void launch_depth_attn_fwd(Runtime& rt, const DepthPlan& plan, const FwdParams<a
   if (!launched) throw std::logic_error("depth_attn_fwd: no kernel instantiated for the planned tile");
 }
 
-// One launch per site tile (each after the first adds to the source gradients),
-// then the column sums of the du (and dg) partials into du and dg ([Q, D]).
+// The site parameters' gradients from the per-chunk partials: one launch over the D columns.
 template <typename acc_t, typename Runtime>
-void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> params, acc_t* du, acc_t* dg) {
+void launch_site_grads(Runtime& rt, const SiteGradParams<acc_t>& params) {
+  const std::string name = std::string("site_grads<") + (std::is_same_v<acc_t, double> ? "double" : "float") + ">";
+  rt.launch(name, &site_grads_kernel<acc_t>, dim3(static_cast<unsigned>(ceil_div(params.dim, 256))), dim3(256), 0,
+            params);
+}
+
+// One launch per site tile (each after the first adds to the source gradients; none
+// without rows), then site_grads_kernel.
+template <typename acc_t, typename Runtime>
+void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> params,
+                           const SiteGradParams<acc_t>& site_grads) {
   constexpr bool kDouble = std::is_same_v<acc_t, double>;
-  const bool norm = params.g != nullptr;
-  for (int t = 0; t < plan.site_tiles; ++t) {
+  const bool norm = params.out_norm_weight.data != nullptr;
+  for (int t = 0; t < plan.site_tiles && params.rows > 0; ++t) {
     params.first_site = t * plan.site_tile;
     params.accumulate = t > 0;
     bool launched = false;
     for_each_tile([&](auto G, auto K, auto QT) {
       if constexpr (tile_fits(Pass::kBackward, kDouble, G, K, QT)) {
         if (plan.group == G && plan.groups_per_thread == K && plan.site_tile == QT) {
-          const std::string name = tile_name("depth_attn_bwd", kDouble, G, K, QT) + (norm ? "[norm]" : "");
+          const bool cache = plan.cache_words > 0;
+          const std::string name =
+              tile_name("depth_attn_bwd", kDouble, G, K, QT) + (norm ? "[norm]" : "") + (cache ? "[cache]" : "");
           const dim3 grid(static_cast<unsigned>(plan.grid_x)), block(plan.threads, plan.teams);
-          if (norm) {
-            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, true>, grid, block, plan.shared_bytes, params);
+          auto launch = [&](auto kernel) { rt.launch(name, kernel, grid, block, plan.shared_bytes, params); };
+          if (norm && cache) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, true, !kDouble>);
+          } else if (norm) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, true, false>);
+          } else if (cache) {
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, false, !kDouble>);
           } else {
-            rt.launch(name, &depth_attn_bwd_kernel<acc_t, G, K, QT, false>, grid, block, plan.shared_bytes, params);
+            launch(&depth_attn_bwd_kernel<acc_t, G, K, QT, false, false>);
           }
           launched = true;
         }
@@ -991,15 +1376,7 @@ void launch_depth_attn_bwd(Runtime& rt, const DepthPlan& plan, BwdParams<acc_t> 
     });
     if (!launched) throw std::logic_error("depth_attn_bwd: no kernel instantiated for the planned tile");
   }
-  const int64_t cols = int64_t(params.num_sites) * params.dim;
-  const dim3 grid(static_cast<unsigned>(ceil_div(cols, 256)));
-  const std::string name = std::string("column_sum<") + (kDouble ? "double" : "float") + ">";
-  rt.launch(name, &column_sum_kernel<acc_t>, grid, dim3(256), 0, static_cast<const acc_t*>(params.du_part),
-            plan.num_chunks, cols, du);
-  if (params.dg_part != nullptr) {
-    rt.launch(name, &column_sum_kernel<acc_t>, grid, dim3(256), 0, static_cast<const acc_t*>(params.dg_part),
-              plan.num_chunks, cols, dg);
-  }
+  launch_site_grads<acc_t>(rt, site_grads);
 }
 
 }  // namespace attnres::cuda

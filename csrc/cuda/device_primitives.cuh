@@ -10,6 +10,7 @@
 //   Half / BFloat16     16-bit storage types; to_acc / from_acc convert with
 //                       round-to-nearest-even, directly from double for fp64 math
 //   dev_sqrt, dev_exp, dev_log, dev_isnan   float and double overloads
+//   __grid_constant__   a `const` kernel parameter read in place (indexed tables in the parameters)
 //
 // No torch here: these headers also compile into the harness build and the
 // ahead-of-time check (python -m attnres_kernels.check).
@@ -26,6 +27,9 @@
 #include <cmath>
 
 #include "../simt/simt.h"
+// A kernel parameter read in place from the parameter space (nvcc: no copy to local
+// memory when the kernel indexes into it); the harness passes every parameter by value.
+#define __grid_constant__
 #endif
 
 namespace attnres::cuda {

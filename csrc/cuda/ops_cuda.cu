@@ -10,11 +10,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstring>
+#include <map>
 #include <mutex>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "attention_ops.h"
 #include "block_step_ops.h"
@@ -23,14 +22,17 @@
 namespace attnres::cuda {
 namespace {
 
-// A copy captured in a CUDA graph reads its pinned source each time the graph replays: the staging buffers of
-// the tables copied during a capture are kept for the life of the process (a few hundred bytes per captured
-// launch), so that no later allocation reuses them under a graph.
-void keep_for_graph_replays(at::Tensor staged) {
+// Raises a kernel's dynamic shared memory limit to `bytes` (above the default 48 KiB) once per
+// kernel, device and size: a launch pays a lookup, not a driver call.
+void allow_shared_bytes(const void* kernel, size_t bytes) {
   static std::mutex mutex;
-  static std::vector<at::Tensor> kept;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  const std::pair<const void*, int> key{kernel, c10::cuda::current_device()};
   const std::lock_guard<std::mutex> lock(mutex);
-  kept.push_back(std::move(staged));
+  size_t& current = allowed[key];
+  if (current >= bytes) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+  current = bytes;
 }
 
 struct CudaRuntime {
@@ -39,26 +41,12 @@ struct CudaRuntime {
   int num_sms() const { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
   size_t max_shared_bytes() const { return at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin; }
 
-  // The table is staged in pinned memory and copied without synchronizing the stream.
-  at::Tensor device_table(const std::vector<RowRef>& refs, const at::Device& device) {
-    const auto bytes = static_cast<int64_t>(refs.size() * sizeof(RowRef));
-    at::Tensor host = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.mutable_data_ptr(), refs.data(), bytes);
-    at::Tensor table = host.to(device, /*non_blocking=*/true);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-    if (capture != cudaStreamCaptureStatusNone) keep_for_graph_replays(std::move(host));
-    return table;
-  }
-
   void track(const char*, const at::Tensor&) {}
+  void track(const char*, const void*, size_t) {}
 
   template <typename... P, typename... A>
   void launch(const std::string&, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, A&&... args) {
-    if (shared_bytes > 48 * 1024) {
-      C10_CUDA_CHECK(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared_bytes)));
-    }
+    if (shared_bytes > 48 * 1024) allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
     kernel<<<grid, block, shared_bytes, stream>>>(std::forward<A>(args)...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -28,9 +28,9 @@
 
 namespace attnres::emulated {
 
-// The Runtime of csrc/cuda/depth_attention_ops.h (and block_step_ops.h) for the harness: tables in host
-// memory, a one-SM "GPU" (forward grids stay small, so the grid-stride loops run),
-// every tensor a kernel touches named for the traffic count.
+// The Runtime of csrc/cuda/depth_attention_ops.h (and block_step_ops.h) for the harness: a one-SM
+// "GPU" (forward grids stay small, so the grid-stride loops run), every tensor a kernel touches
+// named for the traffic count.
 struct Runtime {
   Runtime() { simt::clear_tracking(); }
   ~Runtime() { simt::clear_tracking(); }
@@ -43,16 +43,10 @@ struct Runtime {
   // The opt-in shared memory per block the launch plans assume (set_shared_memory_limit): sm_80's by default.
   static inline size_t shared_memory_limit = cuda::kSharedSm80;
 
-  at::Tensor device_table(const std::vector<cuda::RowRef>& refs, const at::Device&) {
-    const auto bytes = static_cast<int64_t>(refs.size() * sizeof(cuda::RowRef));
-    at::Tensor table = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
-    std::memcpy(table.mutable_data_ptr(), refs.data(), bytes);
-    return table;
-  }
-
   void track(const char* group, const at::Tensor& t) {
     if (t.defined()) simt::track(group, t.const_data_ptr(), cuda::span_bytes(t));
   }
+  void track(const char* group, const void* data, size_t bytes) { simt::track(group, data, bytes); }
 
   template <typename... P, typename... A>
   void launch(const std::string& name, void (*kernel)(P...), dim3 grid, dim3 block, size_t shared_bytes, A&&... args) {

@@ -210,9 +210,10 @@ def assert_traffic(launch, reads, writes):
 )
 def test_one_pass_over_each_row(dtypes, d, out_norm):
     """Forward: each addend and prefix element read once, new_partial and out written once,
-    the per-row scalars once (lse_a once per warp), u (g) staged once per row team.
-    Backward: new_partial, h_a and the incoming row gradients read once, both row
-    gradients written once, one du (dg) partial per row chunk, summed by column_sum."""
+    the per-row scalars once (lse_a once per warp), query, norm_weight (out_norm_weight)
+    read once per row team. Backward: new_partial, h_a and the incoming row gradients read
+    once, both row gradients written once, one du (dg) partial per row chunk, which
+    site_grads reads once to write the parameters' gradients once."""
     partial_dtype, update_dtype, prefix_dtype = dtypes
     m = 40  # three row chunks of 16 in the backward
     partial, update, w, h_a, lse_a, g, g_out = make_step((5, 8), d, partial_dtype, update_dtype, prefix_dtype)
@@ -231,8 +232,9 @@ def test_one_pass_over_each_row(dtypes, d, out_norm):
             "update": rows(update),
             "prefix_out": rows(h_a),
             "prefix_lse": m * acc * warps(fwd),
-            "u": teams(fwd) * d * acc,
-            "g": teams(fwd) * d * acc if out_norm else 0,
+            "query": teams(fwd) * nbytes(w),
+            "norm_weight": teams(fwd) * nbytes(g),
+            "out_norm_weight": teams(fwd) * nbytes(g_out) if out_norm else 0,
         },
         writes={"new_partial": nbytes(new), "out": nbytes(out), "lse": m * acc, "logit": m * acc, "rinv": m * acc},
     )
@@ -240,7 +242,7 @@ def test_one_pass_over_each_row(dtypes, d, out_norm):
     ((new.double() * gen[0]).sum() + (out.double() * gen[1]).sum() + (lse * gen[2]).sum()).backward()
     launches = emulation.launch_log()
     (bwd,) = [x for x in launches if x.kernel.startswith("block_step_bwd")]
-    sums = [x for x in launches if x.kernel.startswith("column_sum")]
+    (site_grads,) = [x for x in launches if x.kernel.startswith("site_grads")]
     chunks = -(-m // 16)
     w_ = warps(bwd)
     assert_traffic(
@@ -254,8 +256,9 @@ def test_one_pass_over_each_row(dtypes, d, out_norm):
             "logit": m * acc * w_,
             "rinv": m * acc * w_,
             "prefix_lse": m * acc * w_,
-            "u": chunks * d * acc,  # once per row chunk
-            "g": chunks * d * acc if out_norm else 0,
+            "query": chunks * nbytes(w),  # once per row chunk
+            "norm_weight": chunks * nbytes(g),
+            "out_norm_weight": chunks * nbytes(g_out) if out_norm else 0,
         },
         writes={
             "grad_total": nbytes(new),
@@ -265,7 +268,18 @@ def test_one_pass_over_each_row(dtypes, d, out_norm):
             "dg_part": chunks * d * acc if out_norm else 0,
         },
     )
-    assert len(sums) == (2 if out_norm else 1)
-    for launch, name in zip(sums, ("du", "dg")):
-        assert_traffic(launch, reads={f"{name}_part": chunks * d * acc}, writes={name: d * acc})
-    assert [x.kernel for x in launches if x not in sums and x is not bwd] == []
+    assert_traffic(
+        site_grads,
+        reads={
+            "du_part": chunks * d * acc,
+            "dg_part": chunks * d * acc if out_norm else 0,
+            "query": nbytes(w),
+            "norm_weight": nbytes(g),
+        },
+        writes={
+            "grad_query": nbytes(w),
+            "grad_norm_weight": nbytes(g),
+            "grad_out_norm_weight": nbytes(g_out) if out_norm else 0,
+        },
+    )
+    assert [x.kernel for x in launches if x is not site_grads and x is not bwd] == []

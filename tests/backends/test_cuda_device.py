@@ -178,3 +178,64 @@ def test_block_step_bf16_end_to_end_matches_reference(d, out_norm):
     for i, (a, b, c) in enumerate(zip(got[0] + got[1], same[0] + same[1], oracle[0] + oracle[1])):
         assert a.dtype == b.dtype
         assert_close_to_oracle(f"[{i}]", a, b, c)
+
+
+@pytest.mark.parametrize("d", [37, 1024, 4096])
+@pytest.mark.parametrize("variant", ["low-rank-keys", "weighted-normalised-values"])
+@pytest.mark.parametrize("q,out_norm", [(None, True), (3, False)])
+def test_read_variants_bf16_end_to_end_match_reference(d, variant, q, out_norm):
+    """Sliced low-rank keys (R = D / 4 + 1) and normalised values with a key-norm weight on the GPU:
+    every output and gradient by FlashAttention's rule."""
+    rank = d // 4 + 1 if variant == "low-rank-keys" else d
+    kwargs = dict(key_rank=rank) if variant == "low-rank-keys" else dict(normalize_values=True, scale=d**-0.5)
+    sources = [s.cuda() for s in make_sources(4, (4, 33), d, torch.bfloat16)]
+    w, g, _ = (p.cuda() for p in site_params(q, rank))
+    g_out = (1 + 0.3 * torch.randn(d, device="cuda")) if out_norm else None
+    lead = (q,) if q else ()
+    out_weights = [torch.randn(lead + (4, 33, d), device="cuda"), torch.randn(lead + (4, 33), device="cuda")]
+    out_weights = [x.double() for x in out_weights]
+
+    def read(backend):
+        def fn(srcs, w, g, g_out):
+            return ak.depth_attention(w, srcs, g, out_norm_weight=g_out, return_lse=True, backend=backend, **kwargs)
+
+        return fn
+
+    params = [w, g, g_out]
+    called = attnres_ops_called(lambda: read_with_grads(read("cuda"), sources, params, out_weights))
+    assert {"attnres::depth_attn_fwd", "attnres::depth_attn_bwd"} <= called, called
+    got = read_with_grads(read("cuda"), sources, params, out_weights)
+    same = read_with_grads(read("reference"), sources, params, out_weights)
+    oracle = read_with_grads(
+        read("reference"), [s.double() for s in sources], [p.double() if p is not None else None for p in params],
+        out_weights,
+    )  # fmt: skip
+    for i, (a, b, c) in enumerate(zip(got[0] + got[1], same[0] + same[1], oracle[0] + oracle[1])):
+        assert a.dtype == b.dtype
+        assert_close_to_oracle(f"[{i}]", a, b, c)
+
+
+@pytest.mark.parametrize("d,rank", [(37, 9), (4096, 1024)])
+def test_block_step_low_rank_keys_on_device(d, rank):
+    """The Block step with sliced low-rank keys on the GPU: outputs and gradients against the reference."""
+    lead = (4, 33)
+    partial, update = (torch.randn(*lead, d, device="cuda").to(torch.bfloat16) for _ in range(2))
+    w, g = torch.randn(rank, device="cuda") * 0.5, 1 + 0.3 * torch.randn(rank, device="cuda")
+    h_a, lse_a = reference.depth_attention(w, [torch.randn(*lead, d, device="cuda") for _ in range(2)], g,
+                                           key_rank=rank, return_lse=True)  # fmt: skip
+    inputs = [partial, update, w, h_a, lse_a, g]
+    out_weights = [torch.randn(*lead, d, device="cuda", dtype=torch.float64) for _ in range(2)]
+
+    def run(backend, xs):
+        leaves = [x.detach().clone().requires_grad_() for x in xs]
+        step = reference.block_step if backend == "reference" else ak.block_step
+        extra = {} if backend == "reference" else dict(backend=backend)
+        outs = step(*leaves, key_rank=rank, **extra)
+        loss = sum((o.double() * wt).sum() for o, wt in zip(outs, out_weights))
+        return list(outs), list(torch.autograd.grad(loss, leaves))
+
+    got, same = run("cuda", inputs), run("reference", inputs)
+    oracle = run("reference", [x.double() for x in inputs])
+    for i, (a, b, c) in enumerate(zip(got[0] + got[1], same[0] + same[1], oracle[0] + oracle[1])):
+        assert a.dtype == b.dtype
+        assert_close_to_oracle(f"[{i}]", a, b, c)

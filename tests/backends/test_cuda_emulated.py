@@ -223,7 +223,7 @@ def test_the_emulated_cuda_kernels_ran():
     assert {"attnres_emu::depth_attn_fwd", "attnres_emu::depth_attn_bwd"} <= called, called
     kernels = [x.kernel for x in emulation.launch_log()]
     assert kernels[0].startswith("depth_attn_fwd<float") and kernels[1].startswith("depth_attn_bwd<float"), kernels
-    assert kernels[2:] == ["column_sum<float>"], kernels
+    assert kernels[2:] == ["site_grads<float>"], kernels
 
 
 def test_cpu_tensors_need_the_emulation_switch(monkeypatch):

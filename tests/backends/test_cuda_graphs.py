@@ -94,3 +94,89 @@ def test_model_training_replays_as_a_graphed_callable(name):
     torch.testing.assert_close(got, want)
     for (key, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
         torch.testing.assert_close(p, q, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _train_losses(net, params, batches):
+    """Three AdamW steps of ``net`` on ``batches``: the losses."""
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    losses = []
+    for batch in batches:
+        logits = net(batch[:, :-1].contiguous())
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_compiled_with_reduce_overhead_trains_like_eager(name):
+    """``torch.compile(mode="reduce-overhead")`` (Inductor replaying CUDA graphs): every fused op is
+    captured (Inductor skips no graph for them) and three training steps give the eager model's losses
+    and parameters (to Inductor's fusion round-off)."""
+    from torch._dynamo.utils import counters
+
+    _, model = make_trainable_pair(name)
+    model = model.cuda()
+    eager = copy.deepcopy(model)
+    batches = [torch.randint(0, VOCAB, (2, 9), device="cuda") for _ in range(3)]
+    counters.clear()
+    compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    got = _train_losses(compiled, model.parameters(), batches)
+    want = _train_losses(eager, eager.parameters(), batches)
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for (key, p), q in zip(model.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def _inkling2_pair():
+    """A tiny random Inkling2 model on the GPU and a copy patched by ``apply_attnres_kernels``."""
+    pytest.importorskip("transformers", minversion="5.23")
+    import transformers
+
+    from attnres_kernels.hf import apply_attnres_kernels
+    from tests.hf.test_hf_inkling2 import randomize, text_config
+
+    torch.manual_seed(0)
+    eager = randomize(transformers.Inkling2ForCausalLM(text_config())).cuda()
+    patched = apply_attnres_kernels(copy.deepcopy(eager))
+    return eager, patched
+
+
+def test_patched_inkling2_read_replays_as_a_graphed_callable():
+    """The patched AttnRes read of an Inkling2 layer, forward and backward captured by
+    ``torch.cuda.make_graphed_callables`` and replayed on new values, equals the eager read."""
+    eager, patched = _inkling2_pair()
+    read = next(m for m in patched.modules() if type(m).__name__ == "AttnResKernelsBlockAttentionResidual")
+    reference = next(m for m in eager.modules() if type(m).__name__ == "Inkling2BlockAttentionResidual")
+    d = eager.config.get_text_config().hidden_size
+    blocks = torch.randn(2, 7, 3, d, device="cuda", requires_grad=True)
+    partial = torch.randn(2, 7, d, device="cuda", requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(read, (blocks, partial))
+    for _ in range(2):
+        with torch.no_grad():
+            blocks.copy_(torch.randn_like(blocks))
+            partial.copy_(torch.randn_like(partial))
+        got = graphed(blocks, partial)
+        want = reference(blocks, partial)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        grads_got = torch.autograd.grad(sum(g.sum() for g in got), (blocks, partial))
+        grads_want = torch.autograd.grad(sum(w.sum() for w in want), (blocks, partial))
+        for g, w in zip(grads_got, grads_want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_patched_inkling2_compiled_with_reduce_overhead_equals_eager():
+    """``torch.compile(mode="reduce-overhead")`` of a patched Inkling2 model: logits and loss of three
+    calls equal the unpatched eager model's."""
+    eager, patched = _inkling2_pair()
+    compiled = torch.compile(patched, mode="reduce-overhead")
+    ids = torch.randint(1, 90, (2, 16), device="cuda")
+    want = eager(ids, labels=ids)
+    for _ in range(3):
+        got = compiled(ids, labels=ids)
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-4, atol=1e-4)

@@ -220,6 +220,25 @@ def test_bad_arguments(tmp_path, capsys, monkeypatch, world, options, message):
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_cuda_graphs_need_a_gpu(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*TINY, "--out", str(tmp_path), "--cuda-graphs"])
+    assert exit_info.value.code == 2
+    assert "--cuda-graphs needs a GPU" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_train_like_eager(tmp_path):
+    """``--cuda-graphs`` (forward and backward replayed from graphs) gives the eager run's losses and
+    gradient norms."""
+    eager, graphed = tmp_path / "eager", tmp_path / "graphed"
+    run(eager, 1)
+    result = run(graphed, 1, "--cuda-graphs")
+    assert "final loss" in result.stdout
+    assert_like(graphed, records(eager))
+
+
 def test_resume_with_other_model_settings_names_them(reference, tmp_path, capsys):
     out = resumable_copy(reference.out, tmp_path)
     with pytest.raises(SystemExit):

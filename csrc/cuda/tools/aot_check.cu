@@ -3,7 +3,8 @@
 // kernel the launchers can choose, and run on the host (no GPU needed) to print
 // one line per kernel: its name as ptxas reports it (demangled) and the largest
 // dynamic shared memory any launch plan gives it. It also checks that every plan
-// over D, Q, the dtype mixes and the output norm maps to an instantiated kernel
+// over D, Q, the dtype mixes, the output norm and weighted normalised values maps
+// to an instantiated kernel within the shared memory of every sm_80+ GPU
 // (for the depth read and the Block step), and that every attention plan (dtype x
 // Dh x sequence lengths) fits the shared memory of every sm_80+ GPU and maps to a
 // listed kernel (tensor cores: one per 16-bit dtype and head-size bucket; SIMT: one
@@ -14,6 +15,7 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../attention_kernels.cuh"
 #include "../block_step_kernels.cuh"
@@ -23,7 +25,7 @@ using namespace attnres::cuda;
 
 namespace {
 
-using TileKey = std::tuple<int, bool, int, int, int>;  // pass, acc_double, G, K, QT
+using TileKey = std::tuple<int, bool, int, int, int, bool>;  // pass, acc_double, G, K, QT, source cache
 
 std::map<TileKey, size_t> largest_shared_bytes() {
   std::map<TileKey, size_t> shared;
@@ -32,11 +34,32 @@ std::map<TileKey, size_t> largest_shared_bytes() {
       for (int itemsize : {2, 4, 8}) {
         if (itemsize == 8 && !acc_double) continue;  // fp64 data accumulates in fp64
         for (bool norm : {false, true}) {
-          for (int64_t d = 1; d <= kMaxDim; ++d) {
-            for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
-              const DepthPlan p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, 132);
-              auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile}];
-              s = std::max(s, p.shared_bytes);
+          for (bool weighted_values : {false, true}) {
+            for (int64_t d = 1; d <= kMaxDim; ++d) {
+              for (int64_t q = 1; q <= 2 * kMaxSiteTile[0][0]; ++q) {
+                DepthPlan p;
+                try {
+                  p = plan_depth_attn(static_cast<Pass>(pass), 1024, d, q, itemsize, acc_double, norm, weighted_values,
+                                      132);
+                } catch (const std::invalid_argument&) {
+                  // Only fp64 math with the output norm and weighted normalised values at the widest rows
+                  // exceeds the shared memory of every sm_80+ GPU: the op refuses those by name.
+                  if (!(acc_double && norm && weighted_values)) throw;
+                  continue;
+                }
+                auto& s = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile, false}];
+                s = std::max(s, p.shared_bytes);
+                // The backward's source cache, for N sources of this element size.
+                for (int n : {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128}) {
+                  if (pass == 0 || itemsize == 8) break;
+                  DepthPlan cached = p;
+                  const std::vector<int> itemsizes(n, itemsize);
+                  plan_source_cache(cached, acc_double, itemsizes.data(), n);
+                  if (cached.cache_words == 0) continue;
+                  auto& c = shared[{pass, acc_double, p.group, p.groups_per_thread, p.site_tile, true}];
+                  c = std::max(c, cached.shared_bytes);
+                }
+              }
             }
           }
         }
@@ -123,38 +146,45 @@ int main() {
     return 1;
   }
   size_t kernels = 0, unreachable = 0;
-  // The backward comes with and without the fused output norm (its last template argument).
-  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, const void* /*kernel*/) {
+  // The backward comes with and without the fused output norm and the source cache (its last
+  // two template arguments).
+  auto emit = [&](Pass pass, bool acc_double, int G, int K, int QT, bool norm, bool cache, const void* /*kernel*/) {
     std::string name =
         kernel_name(pass == Pass::kForward ? "depth_attn_fwd_kernel" : "depth_attn_bwd_kernel", acc_double, G, K, QT);
-    if (pass == Pass::kBackward) name.insert(name.size() - 1, norm ? ", true" : ", false");
-    const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT});
+    if (pass == Pass::kBackward) {
+      name.insert(name.size() - 1, std::string(norm ? ", true" : ", false") + (cache ? ", true" : ", false"));
+    }
+    const auto it = shared.find({static_cast<int>(pass), acc_double, G, K, QT, cache});
     if (it == shared.end()) {
       std::fprintf(stderr, "%s is instantiated but no launch plan chooses it\n", name.c_str());
       ++unreachable;
       return;
     }
     std::printf("%s\t%zu\n", name.c_str(), it->second);
-    kernels += pass == Pass::kForward || norm;  // one plan key for both backward variants
+    kernels += pass == Pass::kForward || norm;  // one plan key for both output-norm variants
   };
   for_each_tile([&](auto G, auto K, auto QT) {
     if constexpr (tile_fits(Pass::kForward, false, G, K, QT))
-      emit(Pass::kForward, false, G, K, QT, false,
+      emit(Pass::kForward, false, G, K, QT, false, false,
            reinterpret_cast<const void*>(&depth_attn_fwd_kernel<float, G, K, QT>));
     if constexpr (tile_fits(Pass::kForward, true, G, K, QT))
-      emit(Pass::kForward, true, G, K, QT, false,
+      emit(Pass::kForward, true, G, K, QT, false, false,
            reinterpret_cast<const void*>(&depth_attn_fwd_kernel<double, G, K, QT>));
     if constexpr (tile_fits(Pass::kBackward, false, G, K, QT)) {
-      emit(Pass::kBackward, false, G, K, QT, false,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false>));
-      emit(Pass::kBackward, false, G, K, QT, true,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true>));
+      emit(Pass::kBackward, false, G, K, QT, false, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false, false>));
+      emit(Pass::kBackward, false, G, K, QT, true, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true, false>));
+      emit(Pass::kBackward, false, G, K, QT, false, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, false, true>));
+      emit(Pass::kBackward, false, G, K, QT, true, true,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<float, G, K, QT, true, true>));
     }
     if constexpr (tile_fits(Pass::kBackward, true, G, K, QT)) {
-      emit(Pass::kBackward, true, G, K, QT, false,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false>));
-      emit(Pass::kBackward, true, G, K, QT, true,
-           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true>));
+      emit(Pass::kBackward, true, G, K, QT, false, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, false, false>));
+      emit(Pass::kBackward, true, G, K, QT, true, false,
+           reinterpret_cast<const void*>(&depth_attn_bwd_kernel<double, G, K, QT, true, false>));
     }
   });
   std::map<std::string, std::array<size_t, 2>> attention;
@@ -236,10 +266,10 @@ int main() {
         emit_step(Pass::kBackward, true, G, K, reinterpret_cast<const void*>(&block_step_bwd_kernel<double, G, K>));
     });
   });
-  std::printf("column_sum_kernel<float>\t0\n");
-  std::printf("column_sum_kernel<double>\t0\n");
-  (void)&column_sum_kernel<float>;
-  (void)&column_sum_kernel<double>;
+  std::printf("site_grads_kernel<float>\t0\n");
+  std::printf("site_grads_kernel<double>\t0\n");
+  (void)&site_grads_kernel<float>;
+  (void)&site_grads_kernel<double>;
   return unreachable == 0 && kernels == shared.size() && step_kernels == step_shared.size() &&
                  attention_kernels == attention.size()
              ? 0
