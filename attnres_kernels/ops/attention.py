@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.bias import causal_lower_right
 
 from .. import _native, reference
 from .._validation import MAX_HEAD_DIM, check_attention
@@ -78,6 +77,9 @@ def _sdpa_wins(q: Tensor, causal: bool) -> bool:
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
     """Our attention on ``scaled_dot_product_attention`` (a call :func:`sdpa_unavailable_reason` accepts):
     causal rows aligned to the bottom right when ``Tq < Tk``, grouped-query heads read in place."""
+    # Imported here: torch.nn.attention.bias imports torch._dynamo, which `import attnres_kernels` defers.
+    from torch.nn.attention.bias import causal_lower_right
+
     tq, tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if causal and tq == tk:
